@@ -1,0 +1,274 @@
+"""AdaptivePolicy: the memory-feedback controller behind the scheduler's Policy protocol.
+
+Each step: the scheduler asks `limits()` (cached; rebuilt only when a cap or the KV ratio moves) and
+`fit_chunk` / `fit_decode` while packing (a few multiply-adds against thresholds precomputed once per
+step); the engine then reports the step's record to `observe()`, which feeds the estimator (sampled
+records only), the budget (capacity and idle as the probe saw them), the control law and the KV
+reservation, and precomputes the next step's thresholds. `state()` is GET /controller/state;
+`update_config()` patches gains atomically at run time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+from controller.admission import INF, is_empty, largest_chunk, predict, threshold
+from controller.budget import MIB, BudgetTracker
+from controller.config import ControllerConfig
+from controller.estimator import PeakEstimator
+from controller.kv_reservation import KVReservation
+from controller.law import ControlLaw
+from controller.limits import UNLIMITED, Limits
+from telemetry.record import StepRecord, StepShape
+
+DECISIONS_KEPT = 50
+
+
+class AdaptivePolicy:
+    name = "adaptive"
+    recovers_oom = True
+
+    def __init__(self, config: ControllerConfig | None = None) -> None:
+        self.cfg = config or ControllerConfig()
+        c = self.cfg
+        self._lock = threading.RLock()
+        self.estimator = PeakEstimator(**self._estimator_gains(c))
+        self.budget = BudgetTracker(c.headroom_frac, c.headroom_min_mib, c.use_device_used)
+        self.law = ControlLaw(c)
+        self.kv = KVReservation(c)
+        self.counters = {
+            "steps": 0,
+            "backoffs": 0,
+            "deferrals": 0,
+            "chunks": 0,
+            "preemptions": 0,
+            "ooms_recovered": 0,
+            "rejected_too_long": 0,
+            "estimator_resets": 0,
+        }
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self._raw = self.estimator.raw  # live list, updated in place by the estimator
+        self._t_prefill = INF
+        self._t_decode = INF
+        self._last_retries: int | None = None
+        self._step = 0
+        # what admission did on the step being packed; consumed by observe()
+        self._cut = False
+        self._step_chunks = 0
+        self._step_defers = 0
+        self._limits_key: tuple | None = None
+        self._limits = Limits()
+        self._last_pred = 0.0
+        self._last_peak: float | None = None
+        self._refresh()
+
+    @staticmethod
+    def _estimator_gains(c: ControllerConfig) -> dict[str, Any]:
+        return {
+            "forgetting": c.forgetting,
+            "prior_variance": c.prior_variance,
+            "margin_quantile": c.margin_quantile,
+            "margin_window": c.margin_window,
+            "margin_floor_mib": c.margin_floor_mib,
+            "margin_cold": c.margin_cold,
+            "change_threshold": c.change_threshold,
+            "change_count": c.change_count,
+        }
+
+    # --- Policy protocol ------------------------------------------------------------------------------
+    def limits(self) -> Limits:
+        return self._limits
+
+    def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
+        c = largest_chunk(self._raw, shape, context, chunk, self._t_prefill)
+        if c >= chunk:
+            return chunk
+        if is_empty(shape):
+            c = max(c, min(chunk, self.cfg.min_chunk))  # liveness: an empty step always makes progress
+        if c < self.cfg.min_chunk and c < chunk:
+            c = 0
+        self._cut = True
+        if c:
+            self._step_chunks += 1
+            self.counters["chunks"] += 1
+        else:
+            self._step_defers += 1
+            self.counters["deferrals"] += 1
+        return c
+
+    def fit_decode(self, shape: StepShape, context: int) -> bool:
+        r = self._raw
+        limit = self._t_decode if shape.prefill_tokens == 0 else self._t_prefill
+        if (r[0] + r[1] * shape.prefill_tokens + r[2] * shape.prefill_seqs + r[3] * (shape.decode_seqs + 1)
+                + r[4] * (shape.sum_context + context) + r[5] * shape.prefill_attn
+                + r[6] * (shape.sampled_seqs + 1)) <= limit:
+            return True
+        if is_empty(shape):
+            return True  # liveness
+        self._cut = True
+        self._step_defers += 1
+        self.counters["deferrals"] += 1
+        return False
+
+    def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Only certain failures: with the model trained, even the smallest last chunk of the prompt, or
+        the final decode of prompt + max_tokens, alone on a step, is predicted (without margin) to need
+        more than all free memory above idle."""
+        b = self.budget.budget
+        if not b.known or not self.estimator.trained:
+            return None
+        free = b.free_mib
+        r = self._raw
+        chunk = min(prompt_len, self.cfg.min_chunk)
+        ctx = prompt_len - chunk
+        s = StepShape(prefill_tokens=chunk, prefill_seqs=1, sum_context=prompt_len, max_context=prompt_len,
+                      prefill_attn=chunk * prompt_len, sampled_seqs=1)
+        need = predict(r, s)
+        what = f"even a {chunk}-token chunk at position {ctx}"
+        if need <= free:
+            total = prompt_len + max_tokens
+            s = StepShape(decode_seqs=1, sum_context=total, max_context=total, sampled_seqs=1)
+            need = predict(r, s)
+            what = f"a decode step at context {total}"
+        if need <= free:
+            return None
+        self.counters["rejected_too_long"] += 1
+        reason = (f"request cannot fit in device memory: {what} needs ~{need:.0f} MiB above idle, "
+                  f"only {free:.0f} MiB are free")
+        self._log("reject", reason)
+        return reason
+
+    def observe(self, record: StepRecord) -> None:
+        with self._lock:
+            self._observe(record)
+
+    # --- optional hooks (engine calls them when present) ----------------------------------------------
+    def observe_finished(self, output_len: int, max_tokens: int, reason: str | None = "length") -> None:
+        """A request finished; its output length teaches the KV reservation (aborts and errors do not)."""
+        if reason in ("stop", "length"):
+            with self._lock:
+                self.kv.observe_finished(output_len, max_tokens)
+
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            b = self.budget.budget
+            est = self.estimator
+            return {
+                "policy": self.name,
+                "step": self._step,
+                "limits": self._limits.as_dict(),
+                "budget": {**b.as_dict(), "scale": self.law.scale,
+                           "effective": int(self.law.scale * b.usable)},
+                "estimator": {
+                    "coefficients": est.coefficients(),
+                    "margin": {"prefill": est.relative_margin(True), "decode": est.relative_margin(False),
+                               "floor_bytes": int(est.margin_floor * MIB)},
+                    "samples": est.total_samples,
+                    "trained": est.trained,
+                    "resets": est.resets,
+                    "last_residual": est.last_residual,
+                    "last_prediction_bytes": int(self._last_pred * MIB),
+                    "last_peak_bytes": None if self._last_peak is None else int(self._last_peak * MIB),
+                },
+                "law": self.law.state(),
+                "emergency": self.law.emergency,
+                "kv_reservation": self.kv.state(),
+                "counters": dict(self.counters),
+                "decisions": list(self.decisions),
+                "config": self.cfg.as_dict(),
+            }
+
+    def update_config(self, patch: dict[str, Any]) -> None:
+        """Validate and apply gains at run time, all or nothing (ValueError names the bad gain)."""
+        new = self.cfg.replace(patch)
+        with self._lock:
+            self.cfg = new
+            self.estimator.configure(**self._estimator_gains(new))
+            self.budget.configure(new.headroom_frac, new.headroom_min_mib, new.use_device_used)
+            self.law.configure(new)
+            self.kv.configure(new)
+            self._limits_key = None
+            self._refresh()
+            self._log("config", "gains updated: " + ", ".join(f"{k}={v}" for k, v in sorted(patch.items())))
+
+    # --- internals ------------------------------------------------------------------------------------
+    def _observe(self, rec: StepRecord) -> None:
+        self._step = rec.step_id
+        self.counters["steps"] += 1
+        m, shape = rec.memory, rec.shape
+        b = self.budget.observe(m)
+        peak: float | None = None
+        retry = False
+        if m.sampled:
+            peak = m.step_peak / MIB
+            self._last_pred = predict(self._raw, shape)
+            self._last_peak = peak
+            resets = self.estimator.resets
+            if rec.oom:
+                # The step died at the limit: its true peak is at least what was free.
+                self.estimator.update(shape, max(peak, b.free_mib if b.known else peak), censored=True)
+            elif shape.prefill_tokens or shape.decode_seqs:
+                self.estimator.update(shape, peak)
+            if self.estimator.resets != resets:
+                self.counters["estimator_resets"] += 1
+                self._log("estimator_reset", "OOM" if rec.oom else
+                          f"plant change: relative residual {self.estimator.last_residual:+.2f}")
+            if self._last_retries is not None and m.alloc_retries > self._last_retries:
+                retry = True
+            self._last_retries = m.alloc_retries
+        if rec.oom:
+            self.counters["ooms_recovered"] += 1
+        events = self.law.observe(rec.step_id, peak, b.usable_mib if b.known else None, rec.oom, retry,
+                                  shape.prefill_tokens, shape.decode_seqs, self._cut)
+        if events:
+            for e in events:
+                self._log(e.action, e.reason)
+        self.counters["backoffs"] = self.law.backoffs
+        if rec.preempted:
+            self.counters["preemptions"] += rec.preempted
+        why = self.kv.observe(rec.preempted, shape.decode_seqs)
+        if why:
+            self._log("kv_ratio", why)
+        if self._step_chunks or self._step_defers:
+            self._log("pack", f"{self._step_chunks} chunked, {self._step_defers} deferred: predicted "
+                      f"{self._last_pred:.0f} MiB vs threshold {self._t_prefill:.0f} MiB "
+                      f"(usable {b.usable_mib:.0f} MiB x scale {self.law.scale:.2f})", quiet=True)
+        self._cut = False
+        self._step_chunks = self._step_defers = 0
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Precompute next step's thresholds and limits."""
+        b = self.budget.budget
+        est = self.estimator
+        if b.known:
+            budget = self.law.scale * b.usable_mib
+            self._t_prefill = threshold(budget, est.relative_margin(True), est.margin_floor)
+            self._t_decode = threshold(budget, est.relative_margin(False), est.margin_floor)
+        else:
+            self._t_prefill = self._t_decode = INF
+        law, c = self.law, self.cfg
+        key = (law.prefill_cap, law.decode_cap, round(self.kv.ratio, 2), law.emergency)
+        if key != self._limits_key:
+            self._limits_key = key
+            self._limits = Limits(
+                max_prefill_tokens=law.prefill_cap,
+                max_prefill_seqs=1 if law.emergency else c.max_prefill_seqs,
+                max_decode_seqs=law.decode_cap,
+                max_num_seqs=c.max_num_seqs,
+                max_batched_tokens=UNLIMITED,
+                kv_reserve_ratio=key[2],
+                allow_mixed=True,
+                prefill_first=False,
+                chunked_prefill=True,
+            )
+            self._log("limits", f"prefill_tokens={law.prefill_cap} decode_seqs={law.decode_cap} "
+                      f"kv_ratio={key[2]:.2f} emergency={law.emergency}", quiet=True)
+
+    def _log(self, action: str, reason: str, quiet: bool = False) -> None:
+        if quiet and self.decisions and self.decisions[-1]["action"] == action:
+            self.decisions[-1] = {"step": self._step, "action": action, "reason": reason}
+            return
+        self.decisions.append({"step": self._step, "action": action, "reason": reason})

@@ -1,0 +1,59 @@
+"""Admission and packing: does one more prefill chunk or decode fit beside the step packed so far?
+
+The check is `bound(pred(step + candidate)) <= scale * usable`, where bound() is the estimator's
+prediction plus its relative margin (q) and floor (f): pred + q * (pred + f) + f. Solving that for pred
+once per step gives a threshold T = scale * usable / (1 + q) - f, so each fit call is a handful of
+multiply-adds (the scheduler calls fit_decode once per running sequence, every step).
+
+The candidate's features follow engine/scheduler.py's StepShape accounting: a prefill chunk c of a
+sequence with k tokens already in KV adds c prefill tokens, one prefill sequence, k + c context,
+c * (k + c) attention pairs and (conservatively) one sampled row; a decode of context n adds one decode
+sequence, n context and one sampled row. The predicted peak is quadratic in c, so the largest chunk is
+the root of a quadratic.
+
+Liveness: an empty step always admits a minimal chunk or one decode. Otherwise a model that over-predicts
+(a fresh plant, a reset) would defer everything, no step would run, and nothing would ever correct it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from telemetry.record import StepShape
+
+INF = float("inf")
+
+
+def threshold(budget_mib: float, rel_margin: float, floor_mib: float) -> float:
+    """Largest prediction (MiB) whose bound still fits in `budget_mib`."""
+    return budget_mib / (1.0 + rel_margin) - floor_mib
+
+
+def predict(r: list[float], s: StepShape) -> float:
+    """Predicted step peak above idle (MiB) from raw coefficients r (MiB per feature unit)."""
+    return (r[0] + r[1] * s.prefill_tokens + r[2] * s.prefill_seqs + r[3] * s.decode_seqs
+            + r[4] * s.sum_context + r[5] * s.prefill_attn + r[6] * s.sampled_seqs)
+
+
+def largest_chunk(r: list[float], shape: StepShape, context: int, chunk: int, limit: float) -> int:
+    """Largest c <= chunk with predict(shape + chunk c at context) <= limit (0 if none)."""
+    base = predict(r, shape) + r[2] + r[4] * context + r[6]
+    slack = limit - base
+    if slack < 0.0:
+        return 0
+    a = r[5]
+    b = r[1] + r[4] + r[5] * context
+    if a * chunk * chunk + b * chunk <= slack:
+        return chunk
+    if a <= 0.0:
+        return min(chunk, int(slack / b)) if b > 0.0 else chunk
+    c = (-b + math.sqrt(b * b + 4.0 * a * slack)) / (2.0 * a)
+    return max(0, min(chunk, int(c)))
+
+
+def decode_fits(r: list[float], shape: StepShape, context: int, limit: float) -> bool:
+    return predict(r, shape) + r[3] + r[4] * context + r[6] <= limit
+
+
+def is_empty(shape: StepShape) -> bool:
+    return shape.prefill_tokens == 0 and shape.decode_seqs == 0

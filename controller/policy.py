@@ -1,0 +1,61 @@
+"""The interface between the scheduler (engine) and whatever decides its limits."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from controller.limits import Limits
+from telemetry.record import StepRecord, StepShape
+
+
+class Policy(Protocol):
+    name: str
+    # True: an OOM in a step is recovered (work requeued, engine healthy). False: the baseline
+    # behaviour of the seed engine, whose worker dies and fails the step's requests.
+    recovers_oom: bool
+
+    def limits(self) -> Limits:
+        """Limits for the next step; called once at the start of every schedule."""
+        ...
+
+    def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
+        """Largest prefill chunk (<= chunk) that fits beside the step already packed in `shape`, for a
+        sequence with `context` tokens already in KV. 0 defers it to a later step."""
+        ...
+
+    def fit_decode(self, shape: StepShape, context: int) -> bool:
+        """Whether one more decode sequence of `context` tokens fits beside `shape`."""
+        ...
+
+    def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request can never be served (checked at arrival), or None."""
+        ...
+
+    def observe(self, record: StepRecord) -> None:
+        """Feed back what the step really used; called after every step, OOM steps included."""
+        ...
+
+
+class StaticPolicy:
+    """Base for policies whose limits never move: everything fits that the limits allow."""
+
+    name = "static"
+    recovers_oom = False
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+
+    def limits(self) -> Limits:
+        return self._limits
+
+    def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
+        return chunk
+
+    def fit_decode(self, shape: StepShape, context: int) -> bool:
+        return True
+
+    def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
+        return None
+
+    def observe(self, record: StepRecord) -> None:
+        return None

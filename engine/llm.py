@@ -1,0 +1,51 @@
+"""The offline API: `LLM(...).generate(prompts, params)`, vLLM-style."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.factory import build_engine, engine_args
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    num_preemptions: int
+
+
+class LLM:
+    def __init__(self, model: str = "default", engine: LLMEngine | None = None, **engine_options: object) -> None:
+        """Options are the CLI's engine flags in snake_case (policy, num_blocks, block_size, ...)."""
+        self.engine = engine or build_engine(engine_args(model=model, **engine_options))
+        self.tokenizer = self.engine.backend.tokenizer
+        self._next_id = 0
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
+        """Submit every prompt at once (continuous batching) and run the engine until all finish."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        seqs: list[Sequence] = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            seqs.append(self.engine.add_request(str(self._next_id), ids, p))
+            self._next_id += 1
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(s) for s in seqs]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> CompletionOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([prompt], params)[0]
+
+    def _output(self, seq: Sequence) -> CompletionOutput:
+        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer else ""
+        if seq.stop_text_len is not None:
+            text = text[: seq.stop_text_len]
+        return CompletionOutput(text, seq.output_ids, seq.prompt_ids, seq.finish_reason, seq.num_preemptions)

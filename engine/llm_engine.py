@@ -1,0 +1,218 @@
+"""The engine step loop: schedule under the policy's limits, run the backend under a memory probe, feed the
+measured record back, and finish requests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from controller.policy import Policy
+from engine.kv_cache import BlockAllocator
+from engine.sampling_params import ParamError, SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import Sequence
+from telemetry.record import StepRecord
+
+
+class Backend(Protocol):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: set[int]
+    model_name: str
+    probe: object
+    tokenizer: object | None
+
+    def execute(self, batch: ScheduledBatch) -> list[int]: ...
+
+    def now(self) -> float: ...
+
+    def recover_from_oom(self) -> None:
+        """Release what the failed step held (torch.cuda.empty_cache on CUDA)."""
+        ...
+
+
+class RequestError(ValueError):
+    """A request the engine can never serve; the API answers 400 with `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit an OOM under a policy that cannot recover: like the seed's dead worker."""
+
+
+class LLMEngine:
+    def __init__(self, backend: Backend, policy: Policy) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
+        self.scheduler = Scheduler(self.allocator, policy)
+        self.requests: dict[str, Sequence] = {}
+        self.healthy = True
+        self.step_id = 0
+        self.ooms = 0
+        self.ooms_recovered = 0
+        self.step_listeners: list[Callable[[StepRecord, ScheduledBatch], None]] = []
+        self.finish_listeners: list[Callable[[Sequence], None]] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.backend.max_model_len
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> Sequence:
+        if not self.healthy:
+            raise EngineDeadError("engine is unhealthy after an unrecovered OOM")
+        if request_id in self.requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        seq = Sequence(
+            request_id,
+            list(prompt_ids),
+            params,
+            max_tokens=self._check(prompt_ids, params),
+            arrival_time=self.backend.now() if arrival_time is None else arrival_time,
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate at arrival and resolve max_tokens. Like vLLM, a request whose prompt plus max_tokens
+        exceeds the context is rejected (400) rather than silently truncated; max_tokens=None means
+        'up to the context'."""
+        try:
+            params.validate()
+        except ParamError as e:
+            raise RequestError(str(e), e.param) from e
+        n, ctx = len(prompt_ids), self.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if n >= ctx:
+            raise RequestError(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} tokens.",
+                "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = ctx - n if params.max_tokens is None else params.max_tokens
+        if n + max_tokens > ctx:
+            raise RequestError(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        if self.allocator.blocks_for(n + max_tokens) > self.allocator.num_blocks:
+            raise RequestError(
+                f"prompt plus max_tokens ({n + max_tokens} tokens) exceeds the whole KV cache "
+                f"({self.allocator.num_blocks * self.allocator.block_size} tokens)",
+                "max_tokens",
+            )
+        if reason := self.policy.reject_reason(n, max_tokens):
+            raise RequestError(reason, "prompt", "too_long_for_memory")
+        return max_tokens
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Run one engine step; returns the sequences that got a token or finished."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        start = self.backend.now()
+        oom = False
+        try:
+            with self.backend.probe.step(batch.shape):
+                tokens = self.backend.execute(batch)
+        except torch.OutOfMemoryError:
+            oom = True
+            self.ooms += 1
+            self.backend.recover_from_oom()
+        now = self.backend.now()
+        record = self._record(batch, start, now - start, oom)
+        touched = self._advance(batch, tokens, now) if not oom else self._on_oom(batch)
+        self.policy.observe(record)
+        for listener in self.step_listeners:
+            listener(record, batch)
+        return touched
+
+    def _advance(self, batch: ScheduledBatch, tokens: list[int], now: float) -> list[Sequence]:
+        self.scheduler.update(batch, tokens)
+        touched = []
+        for item in batch.items:
+            seq = item.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            if item.sample:
+                seq.token_times.append(now)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                touched.append(seq)
+                if reason := self._stop_reason(seq):
+                    self._finish(seq, reason)
+        return touched
+
+    def _on_oom(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Recovering policies: nothing advanced, so the step's work simply runs again under the backed-off
+        limits. Baselines: the worker is dead, like the seed engine's, and every request fails."""
+        if self.policy.recovers_oom:
+            self.ooms_recovered += 1
+            return []
+        self.healthy = False
+        failed = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for seq in failed:
+            self._finish(seq, "error")
+        return failed
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        params, token, n_out = seq.params, seq.output_ids[-1], len(seq.output_ids)
+        if n_out >= seq.max_tokens:
+            return "length"
+        if n_out < params.min_tokens:
+            return None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.backend.eos_token_ids):
+            return "stop"
+        if params.stop and self.backend.tokenizer is not None:
+            text = self.backend.tokenizer.decode(seq.output_ids)
+            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            if hits:
+                seq.stop_text_len = min(hits)
+                return "stop"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
+        for listener in self.finish_listeners:
+            listener(seq)
+
+    def _record(self, batch: ScheduledBatch, start: float, duration: float, oom: bool) -> StepRecord:
+        self.step_id += 1
+        sched = self.scheduler
+        return StepRecord(
+            step_id=self.step_id,
+            time=start,
+            duration=duration,
+            shape=batch.shape,
+            memory=self.backend.probe.sample(),
+            kv_blocks_used=self.allocator.num_used,
+            kv_blocks_free=self.allocator.num_free,
+            kv_blocks_total=self.allocator.num_blocks,
+            oom=oom,
+            preempted=len(batch.preempted),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            limits=self.policy.limits().as_dict(),
+        )

@@ -1,0 +1,43 @@
+"""Per-request sampling parameters, with vLLM's SamplingParams names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None: up to the model's context
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter, so the API can answer 400 with `param` set."""
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ParamError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ParamError("temperature", f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ParamError("top_k", f"top_k must be -1 (off) or positive, got {self.top_k}")
+        if self.min_tokens < 0:
+            raise ParamError("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", "min_tokens must not exceed max_tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class ParamError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,202 @@
+"""Continuous batching over a waiting and a running queue, enforcing the policy's Limits every step."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from controller.limits import Limits
+from controller.policy import Policy
+from engine.kv_cache import BlockAllocator
+from engine.sequence import Sequence, Status
+from telemetry.record import StepShape
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int  # tokens computed this step (1 for a decode)
+    is_prefill: bool
+    sample: bool = field(init=False)  # this chunk reaches the end of the known tokens: sample the next one
+
+    def __post_init__(self) -> None:
+        self.sample = self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    shape: StepShape = field(default_factory=StepShape)
+    preempted: list[Sequence] = field(default_factory=list)
+    deferred: int = 0  # prefill candidates the policy's fit check pushed to a later step
+    chunked: int = 0  # prefills cut short of the sequence's remaining tokens
+    kv_blocked: bool = False  # a prefill waited for KV blocks
+
+    def add(self, item: ScheduledSeq) -> None:
+        self.items.append(item)
+        s, ctx = self.shape, item.start + item.num_tokens
+        if item.is_prefill:
+            s.prefill_tokens += item.num_tokens
+            s.prefill_seqs += 1
+            s.prefill_attn += item.num_tokens * ctx
+        else:
+            s.decode_seqs += 1
+        s.sum_context += ctx
+        s.max_context = max(s.max_context, ctx)
+        s.sampled_seqs += item.sample
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, policy: Policy) -> None:
+        self.allocator = allocator
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        lim = self.policy.limits()
+        batch = ScheduledBatch()
+        self._fill(lim, batch)
+        while not batch.items and batch.kv_blocked and len(self.running) > 1:
+            # Running prefills hold every block and none can grow: recompute the newest later.
+            self._preempt(self.running[-1], batch)
+            self._fill(lim, batch)
+        return batch
+
+    def _fill(self, lim: Limits, batch: ScheduledBatch) -> None:
+        if lim.prefill_first:
+            self._schedule_prefills(lim, batch)
+            if lim.allow_mixed or not batch.items:
+                self._schedule_decodes(lim, batch)
+        else:
+            self._schedule_decodes(lim, batch)
+            if lim.allow_mixed or not batch.items:
+                self._schedule_prefills(lim, batch)
+
+    def _schedule_decodes(self, lim: Limits, batch: ScheduledBatch) -> None:
+        scheduled = {id(it.seq) for it in batch.items}
+        long_in_batch = sum(it.seq.prompt_len >= lim.long_prompt_threshold for it in batch.items)
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or not seq.is_decode or id(seq) in scheduled:
+                continue
+            # max_decode_seqs and the whole-step token budget (one token per decode).
+            if batch.shape.decode_seqs >= lim.max_decode_seqs or batch.shape.tokens >= lim.max_batched_tokens:
+                break
+            is_long = seq.prompt_len >= lim.long_prompt_threshold
+            if is_long and long_in_batch >= lim.max_long_per_batch:
+                continue
+            if not self.policy.fit_decode(batch.shape, seq.num_tokens):
+                break
+            if not self._grow_for_decode(seq, scheduled, batch):
+                continue  # seq itself was preempted
+            long_in_batch += is_long
+            scheduled.add(id(seq))
+            batch.add(ScheduledSeq(seq, seq.num_computed, 1, is_prefill=False))
+
+    def _grow_for_decode(self, seq: Sequence, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        """Give `seq` a KV slot for its next token, preempting the newest unscheduled running sequences
+        by recompute when the pool is empty (vLLM's rule). Returns False if `seq` itself was preempted."""
+        need = self.allocator.blocks_for(seq.num_tokens) - len(seq.block_table)
+        while need > self.allocator.num_free:
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _reserved_blocks(self, seq: Sequence, ratio: float) -> int:
+        """Blocks `seq` may still claim: the rest of its known tokens plus `ratio` of its future output."""
+        future = int(ratio * seq.remaining_new_tokens + 0.999999)
+        return max(0, self.allocator.blocks_for(seq.num_tokens + future) - len(seq.block_table))
+
+    def _schedule_prefills(self, lim: Limits, batch: ScheduledBatch) -> None:
+        decoding = any(s.is_decode for s in self.running)
+        long_in_batch = sum(it.seq.prompt_len >= lim.long_prompt_threshold for it in batch.items)
+        partial = [s for s in self.running if not s.is_decode]  # chunked prefills in progress go first
+        outstanding = sum(self._reserved_blocks(s, lim.kv_reserve_ratio) for s in self.running)
+        for seq in partial + list(self.waiting):
+            admitting = seq.status is Status.WAITING
+            if batch.shape.prefill_seqs >= lim.max_prefill_seqs:
+                break
+            if admitting and len(self.running) >= lim.max_num_seqs:
+                break
+            is_long = seq.prompt_len >= lim.long_prompt_threshold
+            if is_long and (
+                (lim.defer_long_while_decoding and decoding) or long_in_batch >= lim.max_long_per_batch
+            ):
+                continue  # the seed's long-prompt rules: others may still go
+            remaining = seq.num_tokens - seq.num_computed
+            budget = min(
+                lim.max_prefill_tokens - batch.shape.prefill_tokens,
+                lim.max_batched_tokens - batch.shape.tokens,
+            )
+            chunk = min(remaining, budget)
+            if chunk < remaining and not lim.chunked_prefill:
+                break
+            if chunk > 0:
+                chunk = self.policy.fit_chunk(batch.shape, seq.num_computed, chunk)
+            if chunk <= 0:
+                batch.deferred += 1
+                break
+            # KV admission: a new sequence must fit beside every running one's outstanding reservation.
+            if admitting:
+                need = self._reserved_blocks(seq, lim.kv_reserve_ratio)
+                if need > self.allocator.num_free - outstanding:
+                    batch.kv_blocked = True
+                    break
+                outstanding += need
+            grow = self.allocator.blocks_for(seq.num_computed + chunk) - len(seq.block_table)
+            if grow > self.allocator.num_free:
+                batch.kv_blocked = True
+                break
+            if grow > 0:
+                seq.block_table.extend(self.allocator.allocate(grow))
+                outstanding -= grow
+            if admitting:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            long_in_batch += is_long
+            batch.chunked += chunk < remaining
+            batch.add(ScheduledSeq(seq, seq.num_computed, chunk, is_prefill=True))
+
+    def update(self, batch: ScheduledBatch, tokens: list[int]) -> None:
+        """Advance every scheduled sequence past the tokens it computed and append the sampled tokens."""
+        sampled = iter(tokens)
+        for item in batch.items:
+            item.seq.num_computed = item.start + item.num_tokens
+            if item.sample:
+                item.seq.output_ids.append(next(sampled))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,59 @@
+"""A request as the scheduler sees it: tokens, progress, KV blocks and timestamps."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never past the model's context
+    arrival_time: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_text_len: int | None = None  # where a stop string cut the text, set by the detokenizer
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_decode(self) -> bool:
+        """True when only the last sampled token is missing from KV; otherwise the sequence prefills
+        (its prompt, or prompt and output again after preemption by recompute)."""
+        return bool(self.output_ids) and self.num_tokens - self.num_computed == 1
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,62 @@
+"""The step record: the one message from the plant (engine) to the controller, metrics and traces."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepShape:
+    """The phase mix of one step: the features the controller's estimator regresses peak memory on."""
+
+    prefill_tokens: int = 0  # new prompt tokens computed this step (all chunks)
+    prefill_seqs: int = 0
+    decode_seqs: int = 0
+    sum_context: int = 0  # KV tokens attended over all sequences, after the step's tokens are written
+    max_context: int = 0
+    prefill_attn: int = 0  # sum over prefill chunks of chunk * context: the score-matrix term
+    sampled_seqs: int = 0  # sequences that produce a token (logits rows)
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+
+@dataclass
+class MemorySample:
+    """What a memory probe saw during one step. Bytes throughout; None where the device cannot tell."""
+
+    peak_allocated: int = 0  # allocator peak since the step began (includes the idle baseline)
+    reserved: int = 0  # allocator reserved bytes at the step's peak
+    idle_baseline: int = 0  # allocated bytes with no step running: weights, KV pool, workspaces
+    capacity: int = 0  # bytes the allocator may use on this device (real or emulated)
+    device_used: int | None = None  # NVML (or equivalent) used bytes, sampled
+    device_total: int | None = None
+    alloc_retries: int = 0  # cumulative allocator retries (cudaMalloc failed, cache flushed, retried)
+    ooms: int = 0  # cumulative allocator OOMs
+    sampled: bool = True  # False when the probe skipped this step to stay cheap (values are stale)
+
+    @property
+    def step_peak(self) -> int:
+        """Bytes the step itself added above idle: what the controller predicts."""
+        return max(0, self.peak_allocated - self.idle_baseline)
+
+
+@dataclass
+class StepRecord:
+    step_id: int
+    time: float  # wall or virtual seconds at the step's start
+    duration: float  # seconds
+    shape: StepShape
+    memory: MemorySample
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    oom: bool = False
+    preempted: int = 0  # sequences preempted (by recompute) while scheduling this step
+    num_running: int = 0
+    num_waiting: int = 0
+    limits: dict = field(default_factory=dict)  # the limits in force, as plain numbers
+
+    def to_dict(self) -> dict:
+        return asdict(self)

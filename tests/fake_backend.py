@@ -1,0 +1,40 @@
+"""A model-free backend that still goes through the paged KV: it writes each token into its slot and derives
+the next token from what it reads back through the block table, so aliasing or a lost block changes output."""
+
+from __future__ import annotations
+
+import time
+
+from engine.scheduler import ScheduledBatch
+from telemetry.probes.null import NullProbe
+
+
+class FakeBackend:
+    model_name = "fake"
+    tokenizer = None
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 512, eos: int = 0) -> None:
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.eos_token_ids = {eos}
+        self.slots = [-1] * (num_blocks * block_size)
+        self.probe = NullProbe()
+        self.steps: list[ScheduledBatch] = []
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        self.steps.append(batch)
+        out = []
+        for item in batch.items:
+            seq, bs = item.seq, self.block_size
+            for pos in range(item.start, item.start + item.num_tokens):
+                self.slots[seq.block_table[pos // bs] * bs + pos % bs] = seq.token_ids[pos]
+            if item.sample:
+                end = item.start + item.num_tokens
+                kv = [self.slots[seq.block_table[p // bs] * bs + p % bs] for p in range(end)]
+                out.append(1 + (sum(t * (i + 7) for i, t in enumerate(kv)) % 997))
+        return out
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def recover_from_oom(self) -> None:
+        return None
