@@ -35,6 +35,14 @@ class Policy(Protocol):
         """Feed back what the step really used; called after every step, OOM steps included."""
         ...
 
+    def state(self) -> dict:
+        """JSON-able view for GET /controller/state: at least `policy` and `limits`."""
+        ...
+
+    def update_config(self, patch: dict) -> None:
+        """Apply runtime config changes atomically; ValueError (and no change) on bad values."""
+        ...
+
 
 class StaticPolicy:
     """Base for policies whose limits never move: everything fits that the limits allow."""
@@ -59,3 +67,9 @@ class StaticPolicy:
 
     def observe(self, record: StepRecord) -> None:
         return None
+
+    def state(self) -> dict:
+        return {"policy": self.name, "limits": self._limits.as_dict()}
+
+    def update_config(self, patch: dict) -> None:
+        raise ValueError(f"policy {self.name!r} has no runtime config; start with --policy adaptive")
