@@ -7,6 +7,7 @@ import argparse
 from controller.baselines import FixedPolicy, SeedStaticPolicy
 from controller.limits import Limits
 from controller.policy import Policy
+from engine.faults import OOMInjector
 from engine.llm_engine import Backend, LLMEngine
 
 POLICIES = ("adaptive", "fixed", "seed-static")
@@ -33,6 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_backend: str = "torch", 
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (torch 16, twin 256)")
     g.add_argument("--device-memory", default=None, help="emulated device capacity on CPU, e.g. 2GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    g.add_argument("--inject-oom-rate", type=float, default=0.0, help="test hook: fail this fraction of steps")
     g = p.add_argument_group("policy")
     g.add_argument("--policy", choices=POLICIES, default=default_policy)
     g.add_argument("--config", default=None, help="controller config TOML")
@@ -88,7 +90,10 @@ def build_backend(args: argparse.Namespace) -> Backend:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(build_backend(args), build_policy(args))
+    backend = build_backend(args)
+    if args.inject_oom_rate:
+        backend = OOMInjector(backend, args.inject_oom_rate)
+    return LLMEngine(backend, build_policy(args))
 
 
 def engine_args(argv: list[str] | None = None, **defaults: object) -> argparse.Namespace:

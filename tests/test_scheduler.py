@@ -135,3 +135,35 @@ def test_abort_frees_blocks():
     assert engine.allocator.num_used > 0
     engine.abort("a")
     assert engine.allocator.num_used == 0 and not engine.has_unfinished()
+
+
+class RecoveringPolicy(FixedPolicy):
+    recovers_oom = True
+
+
+def test_injected_ooms_are_recovered_without_losing_or_duplicating_work():
+    from engine.faults import OOMInjector
+
+    policy = RecoveringPolicy(kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False, max_num_seqs=256)
+    backend = OOMInjector(FakeBackend(), rate=0.2, seed=1)
+    engine = LLMEngine(backend, policy)
+    finished = []
+    engine.finish_listeners.append(lambda s: finished.append(s.request_id))
+    assert run(engine, PROMPTS) == alone(PROMPTS)
+    assert backend.injected > 0 and engine.ooms_recovered == backend.injected and engine.healthy
+    assert sorted(finished) == sorted(str(i) for i in range(len(PROMPTS)))
+    assert engine.allocator.num_used == 0
+
+
+def test_unrecovered_oom_kills_the_engine_like_the_seed():
+    from engine.faults import OOMInjector
+    from engine.llm_engine import EngineDeadError
+
+    engine = LLMEngine(OOMInjector(FakeBackend(), rate=0.5, seed=3), FixedPolicy())
+    seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=30)) for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.healthy and all(s.finish_reason == "error" for s in seqs)
+    assert engine.allocator.num_used == 0
+    with pytest.raises(EngineDeadError):
+        engine.add_request("late", PROMPTS[0], SamplingParams())
