@@ -1,0 +1,134 @@
+"""`headroom bench matrix|replay`: benchmark an engine (the twin by default) in virtual time.
+
+matrix: the seed's 30-point matrix (or --points), closed loop like `vllm bench serve --max-concurrency`.
+replay: a JSONL trace (input_toks, output_toks, arrival_time), open loop at the recorded times.
+Both print a markdown table and write {"points": [...]} (plus the command and engine settings) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from engine.bench.loadgen import load_trace, run_closed_loop, run_trace
+from engine.bench.report import markdown_table, metrics
+from engine.factory import add_engine_args, build_engine
+
+# The seed matrix (calibration README): con {1,4} x in {32,256,4096} x out {256,1024,4096}
+# + con {16,64} x in {32,256} x out {256,1024,4096}.
+SEED_MATRIX = [(c, i, o) for c in (1, 4) for i in (32, 256, 4096) for o in (256, 1024, 4096)] + [
+    (c, i, o) for c in (16, 64) for i in (32, 256) for o in (256, 1024, 4096)
+]
+REQUESTS_PER_CONCURRENCY = {1: 20, 4: 40, 16: 80, 64: 128}
+
+
+def num_requests(concurrency: int) -> int:
+    return REQUESTS_PER_CONCURRENCY.get(concurrency, max(20, 2 * concurrency))
+
+
+def parse_points(text: str) -> list[tuple[int, int, int]]:
+    """ "con,in,out;con,in,out" -> [(con, in, out), ...]."""
+    points = []
+    for part in text.replace(" ", "").split(";"):
+        if part:
+            c, i, o = (int(x) for x in part.split(","))
+            points.append((c, i, o))
+    if not points:
+        raise argparse.ArgumentTypeError("no points given")
+    return points
+
+
+def run_point(args: argparse.Namespace, point: tuple[int, int, int]) -> dict[str, object]:
+    """One closed-loop point on a fresh engine (fresh KV pool, allocator and policy state)."""
+    con, inp, out = point
+    engine = build_engine(args)
+    n = args.num_prompts or num_requests(con)
+    t = time.perf_counter()
+    run = run_closed_loop(engine, con, n, inp, out, fast=not args.no_fast_path)
+    m = metrics(run, policy=args.policy, concurrency=con, input_len=inp, output_len=out, num_prompts=n)
+    m["wall_s"] = round(time.perf_counter() - t, 3)
+    return m
+
+
+def _settings(args: argparse.Namespace) -> dict[str, object]:
+    settings: dict[str, object] = {
+        "command": "headroom " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "backend": args.backend,
+        "policy": args.policy,
+        "num_blocks": args.num_blocks,
+        "block_size": args.block_size,
+    }
+    if args.backend == "twin":  # cheap to build: resolve the defaults exactly as the runs do
+        from engine.factory import build_backend
+
+        b = build_backend(args)
+        settings.update(profile=args.profile, model=b.model_name, num_blocks=b.num_blocks, block_size=b.block_size)
+    return settings
+
+
+def _write(args: argparse.Namespace, doc: dict[str, object]) -> None:
+    table = markdown_table(doc["points"])  # type: ignore[arg-type]
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        md = out.with_suffix(".md")
+        md.write_text(f"`{doc['command']}`\n\nwall time {doc['wall_s']} s\n\n{table}\n")
+        print(f"wrote {out} and {md}", file=sys.stderr)
+
+
+def _matrix(args: argparse.Namespace) -> int:
+    points = args.points or SEED_MATRIX
+    t = time.perf_counter()
+    doc = _settings(args)
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(run_point, [args] * len(points), points))
+    else:
+        results = [run_point(args, p) for p in points]
+    doc["wall_s"] = round(time.perf_counter() - t, 2)
+    doc["points"] = results
+    _write(args, doc)
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    reqs = load_trace(args.trace)
+    t = time.perf_counter()
+    doc = _settings(args)
+    engine = build_engine(args)
+    run = run_trace(engine, reqs, fast=not args.no_fast_path)
+    point = metrics(run, policy=args.policy, trace=str(args.trace), num_prompts=len(reqs))
+    doc["wall_s"] = round(time.perf_counter() - t, 2)
+    doc["points"] = [point]
+    _write(args, doc)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark an engine in virtual time (twin) or wall time")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    m = sub.add_parser("matrix", help="closed-loop matrix, like vllm bench serve --max-concurrency")
+    m.add_argument("--points", type=parse_points, default=None, help='"con,in,out;..." (default: seed matrix)')
+    m.add_argument(
+        "--num-prompts", type=int, default=None, help="requests per point (default: 20/40/80/128 at con 1/4/16/64)"
+    )
+    m.add_argument("--jobs", type=int, default=1, help="points run in parallel processes")
+    m.set_defaults(func=_matrix)
+    r = sub.add_parser("replay", help="open-loop replay of a JSONL trace")
+    r.add_argument("--trace", required=True, help="JSONL: input_toks, output_toks, arrival_time")
+    r.set_defaults(func=_replay)
+    for p in (m, r):
+        add_engine_args(p, default_backend="twin", default_policy="seed-static")
+        p.add_argument("--out", default=None, help="write the points as JSON here (and a .md beside it)")
+        p.add_argument(
+            "--no-fast-path",
+            action="store_true",
+            help="step the engine one step at a time even through identical decode steps",
+        )

@@ -1,0 +1,177 @@
+"""The `twin` backend: the RTX 4090 + Llama-3.1-8B seed engine as a model, behind the same Backend protocol
+as the torch backend. The real scheduler and policies run unchanged; only step latency (virtual clock)
+and device memory (allocator replay, OOM) come from models fitted to the calibration facts.
+
+Why a twin at all: the controller has to be judged on the card the facts were measured on, in seconds
+of CPU instead of hours of GPU, and deterministically (same inputs, same OOMs, same numbers).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cache
+
+from engine.scheduler import ScheduledBatch
+from engine.twin.latency import LatencyModel, StepWork
+from engine.twin.memory import MemoryModel, StepMemory, StepResult
+from engine.twin.profile import DEFAULT_PROFILE, Profile, load_profile
+from telemetry.probes.null import NullProbe
+from telemetry.record import MemorySample, StepShape
+
+FILLER_BASE = 1000  # filler tokens are FILLER_BASE + position % FILLER_SPAN: never the EOS id
+FILLER_SPAN = 1000
+
+
+def filler_token(position: int) -> int:
+    """The token the twin 'samples' at `position`: deterministic, the same however the work is batched."""
+    return FILLER_BASE + position % FILLER_SPAN
+
+
+@cache
+def _latency_model(profile: Profile) -> LatencyModel:
+    return LatencyModel(profile)
+
+
+class TwinProbe(NullProbe):
+    """Reports what torch.cuda.memory_stats (peak allocated/reserved since the step began, retries, OOMs)
+    and NVML (device used/total) would have reported for the modelled step."""
+
+    name = "twin"
+
+    def __init__(self, capacity: int, idle_bytes: int) -> None:
+        super().__init__(capacity=capacity, idle_bytes=idle_bytes)
+        self.pending: MemorySample | None = None
+
+    def measure(self, shape: StepShape) -> MemorySample:
+        sample, self.pending = self.pending, None
+        return sample if sample is not None else self._last
+
+
+class TwinBackend:
+    tokenizer = None
+    token_at = staticmethod(filler_token)
+
+    def __init__(
+        self,
+        profile: str | Profile = DEFAULT_PROFILE,
+        num_blocks: int = 64,
+        block_size: int | None = None,
+        realtime: bool = False,
+        max_model_len: int | None = None,
+    ) -> None:
+        """`realtime`: sleep in execute() so virtual time tracks wall time (for `headroom serve`)."""
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        eng, model = self.profile.section("engine"), self.profile.section("model")
+        block_size = block_size or int(eng["default_block_size"])
+        if block_size % int(eng["block_size_multiple"]) and block_size not in eng["extra_block_sizes"]:
+            raise ValueError(
+                f"block size {block_size} is not supported by the paged attention of this profile: use a "
+                f"multiple of {eng['block_size_multiple']} (or one of {eng['extra_block_sizes']})"
+            )
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.model_name = str(self.profile.data["model_name"])
+        self.max_model_len = min(max_model_len or int(model["max_model_len"]), int(model["max_model_len"]))
+        self.eos_token_ids = {int(model["eos_token_id"])}
+        self.logits_all = bool(eng["logits_all_prompt_tokens"])
+        self.latency = _latency_model(self.profile)  # read-only after construction: shared
+        self.memory = MemoryModel(self.profile, num_blocks, block_size)
+        self.probe = TwinProbe(self.memory.cuda_total, self.memory.persistent)
+        self.probe._last = self._sample(0, 0, 0)
+        self.realtime = realtime
+        self._t = 0.0
+        self._wall0 = time.monotonic()
+        self.steps = 0
+        self.busy_time = 0.0
+        self._samples: dict[tuple, MemorySample] = {}  # identical steps report one (read-only) sample
+
+    # -- clock -----------------------------------------------------------------------------------
+    def now(self) -> float:
+        if self.realtime:
+            return time.monotonic() - self._wall0
+        return self._t
+
+    def advance_to(self, t: float) -> None:
+        """Let the idle device wait until virtual time `t` (open-loop arrivals); never goes back."""
+        self._t = max(self._t, t)
+
+    # -- the step --------------------------------------------------------------------------------
+    def work(self, batch: ScheduledBatch) -> StepWork:
+        prefills, n, ctx, sampled, new_max = [], 0, 0, 0, 0
+        for it in batch.items:
+            if it.is_prefill:
+                prefills.append((it.num_tokens, it.start))
+                if it.start == 0:
+                    new_max += it.seq.max_tokens
+            else:
+                n += 1
+                ctx += it.start + 1
+            sampled += it.sample
+        pre_tokens = sum(c for c, _ in prefills)
+        rows = pre_tokens + n if self.logits_all else sampled
+        return StepWork(tuple(prefills), n, ctx, rows, sampled, new_max)
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Advance the virtual clock by the modelled step time and replay the step's allocations; raises
+        torch.OutOfMemoryError (after charging the time) when the allocator cannot place them."""
+        work = self.work(batch)
+        res = self._run(self.latency.step_time(work), StepMemory(work.logits_rows, work.sampled, len(work.prefills)))
+        if res.oom is not None:
+            import torch  # only for the exception type a real device raises
+
+            raise torch.OutOfMemoryError(res.oom)
+        return [filler_token(it.start + it.num_tokens) for it in batch.items if it.sample]
+
+    def decode_step(self, n: int, context: int, until: float = float("inf")) -> bool:
+        """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
+        model it, for the bench's fast path (engine.bench.loadgen). Returns False and changes nothing when
+        the step would start at or after `until` or would run out of memory: the engine runs that one."""
+        if self.now() >= until:
+            return False
+        m = self.memory
+        saved = (m.state_id, m.held, m.retries, m.ooms)
+        mem = StepMemory(n, n, 0)  # every decode row is sampled, so logits rows = n either way
+        res = m.run_step(mem)
+        if res.oom is not None:
+            m.state_id, m.held, m.retries, m.ooms = saved
+            return False
+        self._finish_step(self.latency.decode_step_time(n, context, n, n), res)
+        return True
+
+    def _run(self, duration: float, mem: StepMemory) -> StepResult:
+        res = self.memory.run_step(mem)
+        self._finish_step(duration, res)
+        return res
+
+    def _finish_step(self, duration: float, res: StepResult) -> None:
+        m = self.memory
+        skey = (res, m.state_id, m.retries, m.ooms)
+        sample = self._samples.get(skey)
+        if sample is None:
+            sample = self._samples[skey] = self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before)
+        self.probe.pending = self.probe._last = sample
+        start = self.now()
+        self.steps += 1
+        self.busy_time += duration
+        if self.realtime:
+            time.sleep(max(0.0, start + duration - self.now()))
+        else:
+            self._t = start + duration
+
+    def recover_from_oom(self) -> None:
+        """torch.cuda.empty_cache(): hand every wholly free cached segment back to the driver."""
+        self.memory.empty_cache()
+
+    def _sample(self, peak: int, reserved: int, before: int) -> MemorySample:
+        m = self.memory
+        return MemorySample(
+            peak_allocated=m.persistent + peak,
+            reserved=m.persistent + reserved,
+            idle_baseline=m.persistent + before,
+            capacity=m.cuda_total,
+            device_used=m.device_used(),
+            device_total=m.nvml_total,
+            alloc_retries=m.retries,
+            ooms=m.ooms,
+        )

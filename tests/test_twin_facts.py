@@ -1,0 +1,82 @@
+"""The calibration facts F1-F7 (shared/calibration README) on the 4090 twin, through the real engine,
+scheduler and policies. F1 (idle memory) is in test_twin_memory.py.
+
+Runs use fewer requests than the seed's benchmark where the fact does not depend on how many: an OOM
+fact needs only the steps up to the failure, and a pass needs the waves of admissions and refills, which
+the first concurrency + a few requests already contain. The full seed-static matrix is the `slow` test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.baselines import FixedPolicy, SeedStaticPolicy
+from engine.bench.cli import SEED_MATRIX, num_requests
+from engine.bench.loadgen import RunResult, run_closed_loop
+from engine.llm_engine import LLMEngine
+from engine.twin.backend import TwinBackend
+
+
+def point(policy, con: int, inp: int, out: int, n: int, num_blocks: int = 64) -> RunResult:
+    engine = LLMEngine(TwinBackend(num_blocks=num_blocks), policy)
+    return run_closed_loop(engine, con, n, inp, out)
+
+
+def passes(run: RunResult) -> bool:
+    return (
+        run.ooms == 0
+        and not run.unhealthy
+        and len(run.sequences) == run.num_requests
+        and all(s.finish_reason == "length" for s in run.sequences)
+    )
+
+
+def fails_with_oom(run: RunResult) -> bool:
+    """The seed's failure mode: an OOM kills the worker, the step's requests and all later ones fail."""
+    return run.ooms == 1 and run.unhealthy and any(s.finish_reason == "error" for s in run.sequences)
+
+
+def test_f2_lone_4096_prefill_passes_at_64_blocks():
+    assert passes(point(SeedStaticPolicy(), 1, 4096, 16, 2, num_blocks=64))
+
+
+@pytest.mark.parametrize("num_blocks", [80, 96])
+def test_f2_lone_4096_prefill_ooms_at_80_and_96_blocks(num_blocks):
+    run = point(SeedStaticPolicy(), 1, 4096, 16, 2, num_blocks=num_blocks)
+    assert fails_with_oom(run) and run.steps == 1
+
+
+@pytest.mark.parametrize("con,inp,out", [(4, 4096, 1024), (16, 256, 256)])
+def test_f3_original_scheduler_ooms(con, inp, out):
+    assert fails_with_oom(point(FixedPolicy(), con, inp, out, num_requests(con)))
+
+
+@pytest.mark.parametrize("cap", [2, 3])
+def test_f4_lower_global_cap_still_ooms_on_long_inputs(cap):
+    assert fails_with_oom(point(FixedPolicy(max_num_seqs=cap), 4, 4096, 1024, 40))
+
+
+@pytest.mark.parametrize("con", [16, 64])
+def test_f5_static_cap_of_8_passes(con):
+    assert passes(point(FixedPolicy(max_num_seqs=8), con, 256, 256, num_requests(con)))
+
+
+REDUCED = {1: 2, 4: 8, 16: 24, 64: 72}
+
+
+@pytest.mark.parametrize("con,inp,out", SEED_MATRIX, ids=lambda v: str(v))
+def test_f6_seed_static_passes_every_point(con, inp, out):
+    assert passes(point(SeedStaticPolicy(), con, inp, out, REDUCED[con]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("con,inp,out", SEED_MATRIX, ids=lambda v: str(v))
+def test_f6_seed_static_passes_every_full_point(con, inp, out, request):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full matrix (~20 s): run with -m slow")
+    assert passes(point(SeedStaticPolicy(), con, inp, out, num_requests(con)))
+
+
+def test_f7_without_decode_first_a_long_prefill_beside_running_requests_ooms():
+    assert fails_with_oom(point(SeedStaticPolicy(decode_first=False), 4, 4096, 1024, 40))
+    assert passes(point(SeedStaticPolicy(), 4, 4096, 1024, 8))
