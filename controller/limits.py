@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 UNLIMITED = 1 << 30
 
@@ -31,4 +31,5 @@ class Limits:
     defer_long_while_decoding: bool = False
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """A shallow copy: called every step for the record, where dataclasses.asdict's deep copy shows."""
+        return dict(self.__dict__)
