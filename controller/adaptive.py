@@ -2,10 +2,15 @@
 
 Each step: the scheduler asks `limits()` (cached; rebuilt only when a cap or the KV ratio moves) and
 `fit_chunk` / `fit_decode` while packing (a few multiply-adds against thresholds precomputed once per
-step); the engine then reports the step's record to `observe()`, which feeds the estimator (sampled
-records only), the budget (capacity and idle as the probe saw them), the control law and the KV
-reservation, and precomputes the next step's thresholds. `state()` is GET /controller/state;
-`update_config()` patches gains atomically at run time.
+step); the engine then reports the step's record to `observe()`, which feeds
+- the step-peak estimator (sampled records only; OOM steps as a lower bound),
+- the retained-memory estimator (what a step leaves allocated into the next one, e.g. logits an engine
+  keeps referenced: it is part of the next step's idle and unknown when that step is packed),
+- the budget (capacity, memory outside the allocator and idle floor, as the probe saw them),
+- the control law (budget scale and caps) and the KV reservation ratio,
+and precomputes the next step's thresholds (see _refresh for the three checks on a prefill chunk).
+`state()` is GET /controller/state; `update_config()` patches gains atomically at run time.
+Optional hook beyond the Policy protocol: `observe_finished(output_len, max_tokens, reason)`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from controller.admission import INF, is_empty, largest_chunk, predict, threshold
+from controller.admission import INF, is_empty, largest_chunk, predict
 from controller.budget import MIB, BudgetTracker
 from controller.config import ControllerConfig
 from controller.estimator import PeakEstimator
@@ -24,6 +29,7 @@ from controller.limits import UNLIMITED, Limits
 from telemetry.record import StepRecord, StepShape
 
 DECISIONS_KEPT = 50
+RETAINED_FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "sampled_seqs")
 
 
 class AdaptivePolicy:
@@ -35,6 +41,9 @@ class AdaptivePolicy:
         c = self.cfg
         self._lock = threading.RLock()
         self.estimator = PeakEstimator(**self._estimator_gains(c))
+        # bytes a step leaves allocated into the next one (see budget.py): outputs of the step, so the
+        # rows it computes matter, not its context or attention
+        self.retained = PeakEstimator(**self._estimator_gains(c), active=RETAINED_FEATURES)
         self.budget = BudgetTracker(c.headroom_frac, c.headroom_min_mib, c.use_device_used)
         self.law = ControlLaw(c)
         self.kv = KVReservation(c)
@@ -52,6 +61,13 @@ class AdaptivePolicy:
         self._raw = self.estimator.raw  # live list, updated in place by the estimator
         self._t_prefill = INF
         self._t_decode = INF
+        # "leave room for the successor": this step's peak plus what it retains into the next step must
+        # fit the budget without the current step's predecessor (see _refresh)
+        self._raw_pair = [0.0] * len(self._raw)
+        self._t_pair = INF
+        self._raw_worst = [0.0] * len(self._raw)
+        self._t_worst = INF
+        self._versions = (-1, -1)
         self._last_retries: int | None = None
         self._step = 0
         # what admission did on the step being packed; consumed by observe()
@@ -62,7 +78,11 @@ class AdaptivePolicy:
         self._limits = Limits()
         self._last_pred = 0.0
         self._last_peak: float | None = None
+        self._prev: tuple[int, StepShape, bool] | None = None  # (step id, shape, oom) of the last sample
+        self._retained_next = 0.0
+        self._refresh_key: tuple | None = None
         self._refresh()
+        self._refresh_limits()
 
     @staticmethod
     def _estimator_gains(c: ControllerConfig) -> dict[str, Any]:
@@ -83,6 +103,10 @@ class AdaptivePolicy:
 
     def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
         c = largest_chunk(self._raw, shape, context, chunk, self._t_prefill)
+        if c:
+            c = largest_chunk(self._raw_pair, shape, context, c, self._t_pair)
+        if c:
+            c = largest_chunk(self._raw_worst, shape, context, c, self._t_worst)
         if c >= chunk:
             return chunk
         if is_empty(shape):
@@ -119,7 +143,7 @@ class AdaptivePolicy:
         b = self.budget.budget
         if not b.known or not self.estimator.trained:
             return None
-        free = b.free_mib
+        free = b.free_mib + b.retained / MIB  # reject on what a step alone would have
         r = self._raw
         chunk = min(prompt_len, self.cfg.min_chunk)
         ctx = prompt_len - chunk
@@ -186,69 +210,122 @@ class AdaptivePolicy:
         with self._lock:
             self.cfg = new
             self.estimator.configure(**self._estimator_gains(new))
+            self.retained.configure(**self._estimator_gains(new))
             self.budget.configure(new.headroom_frac, new.headroom_min_mib, new.use_device_used)
             self.law.configure(new)
             self.kv.configure(new)
             self._limits_key = None
+            self._refresh_key = None
             self._refresh()
+            self._refresh_limits()
             self._log("config", "gains updated: " + ", ".join(f"{k}={v}" for k, v in sorted(patch.items())))
 
     # --- internals ------------------------------------------------------------------------------------
     def _observe(self, rec: StepRecord) -> None:
-        self._step = rec.step_id
-        self.counters["steps"] += 1
-        m, shape = rec.memory, rec.shape
-        b = self.budget.observe(m)
+        step = self._step = rec.step_id
+        counters = self.counters
+        counters["steps"] += 1
+        m, shape, oom = rec.memory, rec.shape, rec.oom
+        budget, est = self.budget, self.estimator
+        retained_now = budget.observe(m)
         peak: float | None = None
+        usable_now: float | None = None
         retry = False
-        if m.sampled:
-            peak = m.step_peak / MIB
-            self._last_pred = predict(self._raw, shape)
-            self._last_peak = peak
-            resets = self.estimator.resets
-            if rec.oom:
-                # The step died at the limit: its true peak is at least what was free.
-                self.estimator.update(shape, max(peak, b.free_mib if b.known else peak), censored=True)
+        if retained_now is not None:
+            # what the previous step left allocated into this one
+            prev = self._prev
+            if prev is not None and prev[0] == step - 1 and not prev[2]:
+                self.retained.update(prev[1], retained_now / MIB)
+            self._prev = (step, shape, oom)
+            if oom:  # the failed step's tensors are gone; what was retained before it stays
+                self._retained_next = retained_now / MIB
+            else:
+                r = self.retained
+                self._retained_next = r.bound(r.predict(shape), shape.prefill_tokens > 0)
+            peak = self._last_peak = m.step_peak / MIB
+            free_now = budget.free_now(m)
+            usable_now = free_now - budget.headroom() / MIB
+            resets = est.resets
+            if oom:
+                # The step died at the limit: its true peak is at least what was free for it.
+                est.update(shape, max(peak, free_now), censored=True)
             elif shape.prefill_tokens or shape.decode_seqs:
-                self.estimator.update(shape, peak)
-            if self.estimator.resets != resets:
-                self.counters["estimator_resets"] += 1
-                self._log("estimator_reset", "OOM" if rec.oom else
-                          f"plant change: relative residual {self.estimator.last_residual:+.2f}")
+                est.update(shape, peak)
+            self._last_pred = est.last_prediction
+            if est.resets != resets:
+                counters["estimator_resets"] += 1
+                self._log("estimator_reset", "OOM" if oom else
+                          f"plant change: relative residual {est.last_residual:+.2f}")
             if self._last_retries is not None and m.alloc_retries > self._last_retries:
                 retry = True
             self._last_retries = m.alloc_retries
-        if rec.oom:
-            self.counters["ooms_recovered"] += 1
-        events = self.law.observe(rec.step_id, peak, b.usable_mib if b.known else None, rec.oom, retry,
-                                  shape.prefill_tokens, shape.decode_seqs, self._cut)
+            budget.next_budget(self._retained_next * MIB)
+        if oom:
+            counters["ooms_recovered"] += 1
+        law = self.law
+        events = law.observe(step, peak, usable_now, oom, retry, shape.prefill_tokens, shape.decode_seqs,
+                             self._cut)
         if events:
             for e in events:
                 self._log(e.action, e.reason)
-        self.counters["backoffs"] = self.law.backoffs
+            counters["backoffs"] = law.backoffs
         if rec.preempted:
-            self.counters["preemptions"] += rec.preempted
+            counters["preemptions"] += rec.preempted
         why = self.kv.observe(rec.preempted, shape.decode_seqs)
         if why:
             self._log("kv_ratio", why)
         if self._step_chunks or self._step_defers:
             self._log("pack", f"{self._step_chunks} chunked, {self._step_defers} deferred: predicted "
                       f"{self._last_pred:.0f} MiB vs threshold {self._t_prefill:.0f} MiB "
-                      f"(usable {b.usable_mib:.0f} MiB x scale {self.law.scale:.2f})", quiet=True)
+                      f"(scale {law.scale:.2f})", quiet=True)
+            self._step_chunks = self._step_defers = 0
         self._cut = False
-        self._step_chunks = self._step_defers = 0
         self._refresh()
+        self._refresh_limits()
 
     def _refresh(self) -> None:
-        """Precompute next step's thresholds and limits."""
+        """Precompute next step's thresholds and limits.
+
+        Three checks bound a prefill chunk:
+        - T_prefill: the step's own peak fits beside what the last step retained (setpoint headroom kept);
+        - T_pair: the step's peak plus what it will retain fits as if nothing were retained. This keeps
+          chunk sizes even: without it a big chunk (which retains a lot) forces a small one, then a big
+          one again, and in a caching allocator the small step's tensors land in the big step's cached
+          segment and pin it;
+        - T_worst: even so, a caching allocator can hold three segments of the step's biggest tensor at
+          its peak (the one being allocated, the previous step's still referenced, and a cached one that a
+          small live tensor pins), so peak + 2 x retained must fit the device with the headroom floor.
+        """
         b = self.budget.budget
         est = self.estimator
+        ret = self.retained
+        key = (b, self.law.scale, est.version, ret.version, est.windows[True].value, est.windows[False].value,
+               ret.windows[True].value)
+        if key == self._refresh_key:
+            return
+        self._refresh_key = key
         if b.known:
-            budget = self.law.scale * b.usable_mib
-            self._t_prefill = threshold(budget, est.relative_margin(True), est.margin_floor)
-            self._t_decode = threshold(budget, est.relative_margin(False), est.margin_floor)
+            scale = self.law.scale
+            floor = est.margin_floor
+            usable = scale * b.usable_mib
+            qp = est.relative_margin(True)
+            self._t_prefill = usable / (1.0 + qp) - floor
+            self._t_decode = usable / (1.0 + est.relative_margin(False)) - floor
+            retained = b.retained / MIB
+            q = self.retained.relative_margin(True)
+            q = 1.0 + (q if q > qp else qp)
+            self._t_pair = (usable + scale * retained) / q - 2.0 * floor
+            worst = b.free_mib + retained - self.budget.headroom_min / MIB
+            self._t_worst = scale * worst / q - 3.0 * floor
+            versions = (est.version, self.retained.version)
+            if versions != self._versions:
+                self._versions = versions
+                rr = self.retained.raw
+                self._raw_pair[:] = [a + r for a, r in zip(self._raw, rr, strict=True)]
+                self._raw_worst[:] = [a + 2.0 * r for a, r in zip(self._raw, rr, strict=True)]
         else:
-            self._t_prefill = self._t_decode = INF
+            self._t_prefill = self._t_decode = self._t_pair = self._t_worst = INF
+    def _refresh_limits(self) -> None:
         law, c = self.law, self.cfg
         key = (law.prefill_cap, law.decode_cap, round(self.kv.ratio, 2), law.emergency)
         if key != self._limits_key:

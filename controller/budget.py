@@ -1,54 +1,55 @@
-"""The memory budget of one step: usable = capacity - idle - setpoint headroom.
+"""The memory budget of the next step: usable = capacity - external - idle - retained - headroom.
 
-Capacity and idle come from the probes in the step records, never from config: the device knows its
-size, and the idle baseline (weights, KV pool, workspaces) changes with the model, the backend and the
-KV pool size. Where the device also reports its used and total bytes (NVML), memory held outside the
-allocator (other processes, CUDA context, NCCL) tightens the capacity; it can only ever tighten it.
+All parts come from the probes in the step records, never from config: the device knows its size, and
+the idle footprint (weights, KV pool, workspaces) changes with the model, the backend and the pool size.
+- capacity: what the allocator may ever use (torch total_memory, or the emulated size);
+- external: bytes the device holds outside the allocator (CUDA context, NCCL, other processes), seen as
+  device_used - reserved; the largest recent value counts (a cache flush can hide it for a step);
+- idle: the allocator's floor between steps (lowest idle baseline seen);
+- retained: what the previous step leaves allocated into the next one above that floor (e.g. an engine
+  that keeps the last logits referenced). It is not known when the next step is packed, so the policy
+  predicts it from the last step's shape (`retained` argument of `next_budget`);
+- headroom: the setpoint, max(frac * capacity, min), covering allocator fragmentation and model error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
 
 from telemetry.record import MemorySample
 
 MIB = float(1 << 20)
+_EXTERNAL_WINDOW = 256  # sampled steps over which the largest outside-allocator usage counts
 
 
-@dataclass(frozen=True)
 class Budget:
-    """Budget parts in bytes. `known` is False until a sampled record has arrived."""
+    """Budget parts in bytes (immutable by convention; a new one is made per step). `known` is False until
+    a sampled record has arrived. A plain slotted class: admission reads it every step and a frozen
+    dataclass costs several microseconds to build."""
 
-    capacity: int = 0
-    idle: int = 0
-    headroom: int = 0
-    external: int = 0  # bytes held outside the allocator that also cut the capacity
-    known: bool = False
+    __slots__ = ("capacity", "external", "idle", "retained", "headroom", "known", "free", "usable", "free_mib",
+                 "usable_mib")
 
-    @property
-    def free(self) -> int:
-        """Bytes a step may add above idle before the allocator runs out."""
-        return max(0, self.capacity - self.external - self.idle)
-
-    @property
-    def usable(self) -> int:
-        """Bytes a step may add above idle while keeping the setpoint headroom."""
-        return max(0, self.free - self.headroom)
-
-    @property
-    def usable_mib(self) -> float:
-        return self.usable / MIB
-
-    @property
-    def free_mib(self) -> float:
-        return self.free / MIB
+    def __init__(self, capacity: int = 0, external: int = 0, idle: int = 0, retained: int = 0, headroom: int = 0,
+                 known: bool = False) -> None:
+        self.capacity, self.external, self.idle = capacity, external, idle
+        self.retained, self.headroom, self.known = retained, headroom, known
+        free = capacity - external - idle - retained
+        free = free if free > 0 else 0
+        usable = free - headroom
+        usable = usable if usable > 0 else 0
+        self.free = free  # bytes the next step may add before the allocator runs out
+        self.usable = usable  # ... while keeping the setpoint headroom
+        self.free_mib = free / MIB
+        self.usable_mib = usable / MIB
 
     def as_dict(self) -> dict:
         return {
             "known": self.known,
             "capacity": self.capacity,
-            "idle": self.idle,
             "external": self.external,
+            "idle": self.idle,
+            "retained": self.retained,
             "headroom": self.headroom,
             "free": self.free,
             "usable": self.usable,
@@ -56,39 +57,71 @@ class Budget:
 
 
 class BudgetTracker:
-    """Keeps the latest budget from sampled memory records."""
+    """Capacity, external usage and the idle floor from sampled memory records."""
 
     def __init__(self, headroom_frac: float, headroom_min_mib: float, use_device_used: bool = True) -> None:
         self.headroom_frac = headroom_frac
         self.headroom_min = headroom_min_mib * MIB
         self.use_device_used = use_device_used
+        self.capacity = 0
+        self.idle_floor: int | None = None
+        # sliding-window maximum of the outside-allocator bytes: a monotonic deque of (sample, bytes)
+        self._outside: deque[tuple[int, int]] = deque()
+        self._n = 0
+        self._external = 0
         self.budget = Budget()
 
     def configure(self, headroom_frac: float, headroom_min_mib: float, use_device_used: bool) -> None:
         self.headroom_frac = headroom_frac
         self.headroom_min = headroom_min_mib * MIB
         self.use_device_used = use_device_used
-        b = self.budget
-        if b.known:
-            self.budget = Budget(b.capacity, b.idle, self._headroom(b.capacity), b.external, True)
+        if not use_device_used:
+            self._external = 0
 
-    def _headroom(self, capacity: int) -> int:
-        return int(max(self.headroom_frac * capacity, self.headroom_min))
+    @property
+    def external(self) -> int:
+        return self._external
 
-    def observe(self, m: MemorySample) -> Budget:
-        """Update from a memory sample; stale (unsampled) or empty samples leave the budget unchanged."""
+    def free_now(self, m: MemorySample) -> float:
+        """MiB the step of sample `m` could add above its own idle baseline (known after the fact)."""
+        return (self.capacity - self._external - m.idle_baseline) / MIB
+
+    def headroom(self) -> int:
+        h = self.headroom_frac * self.capacity
+        return int(h if h > self.headroom_min else self.headroom_min)
+
+    def observe(self, m: MemorySample) -> int | None:
+        """Learn from a memory sample; returns the bytes retained above the idle floor at the start of
+        this step (None for stale or empty samples)."""
         if not m.sampled or m.capacity <= 0:
-            return self.budget
-        external = 0
-        if self.use_device_used and m.device_used is not None and m.device_total:
-            # Bytes the device uses that the allocator does not hold: context, other processes.
-            outside = m.device_used - max(m.reserved, m.peak_allocated)
-            if 0 < outside < m.device_total:
-                limit = m.device_total - outside
-                external = max(0, m.capacity - limit)  # only when it tightens the capacity
-        b = self.budget
-        if (b.known and b.capacity == m.capacity and b.idle == m.idle_baseline
-                and b.external == external):
-            return b
-        self.budget = Budget(m.capacity, m.idle_baseline, self._headroom(m.capacity), external, True)
+            return None
+        if m.capacity != self.capacity:  # a new device (or emulated size): forget the old floor
+            self.capacity = m.capacity
+            self.idle_floor = None
+            self._outside.clear()
+            self._external = 0
+        if self.idle_floor is None or m.idle_baseline < self.idle_floor:
+            self.idle_floor = m.idle_baseline
+        if self.use_device_used and m.device_used is not None and m.reserved > 0:
+            outside = m.device_used - m.reserved
+            if 0 <= outside < m.capacity:
+                q = self._outside
+                self._n += 1
+                while q and q[-1][1] <= outside:
+                    q.pop()
+                q.append((self._n, outside))
+                while q[0][0] <= self._n - _EXTERNAL_WINDOW:
+                    q.popleft()
+                self._external = q[0][1]
+        return m.idle_baseline - self.idle_floor
+
+    def next_budget(self, retained: float) -> Budget:
+        """The budget of the next step, given the bytes predicted to stay allocated from this one."""
+        if self.idle_floor is None:
+            return Budget()
+        b, r = self.budget, int(retained) if retained > 0 else 0
+        if (b.known and b.retained == r and b.capacity == self.capacity and b.external == self._external
+                and b.idle == self.idle_floor and b.headroom == self.headroom()):
+            return b  # unchanged: keep the object (admission's precomputed thresholds stay valid)
+        self.budget = Budget(self.capacity, self._external, self.idle_floor, r, self.headroom(), True)
         return self.budget

@@ -36,8 +36,8 @@ class ControllerConfig:
     # --- estimator ----------------------------------------------------------------------------------
     forgetting: float = _gain(0.995, "per sampled step", 0.9, 1.0, "RLS forgetting factor")
     prior_variance: float = _gain(100.0, "MiB^2 per unit^2", 1e-3, 1e9, "RLS covariance at (re)start")
-    margin_quantile: float = _gain(0.99, "quantile", 0.5, 1.0, "upper quantile of relative residuals")
-    margin_window: int = _gain(128, "sampled steps", 8, 4096, "residuals kept per regime")
+    margin_quantile: float = _gain(0.95, "quantile", 0.5, 1.0, "upper quantile of relative residuals")
+    margin_window: int = _gain(64, "sampled steps", 8, 4096, "residuals kept per regime")
     margin_floor_mib: float = _gain(16.0, "MiB", 0.0, 4096.0, "margin added to every prediction")
     margin_cold: float = _gain(0.5, "fraction of prediction", 0.0, 10.0, "relative margin before data")
     change_threshold: float = _gain(0.5, "relative residual", 0.05, 100.0, "residual that signals change")
@@ -45,6 +45,7 @@ class ControllerConfig:
     # --- control law --------------------------------------------------------------------------------
     backoff: float = _gain(0.8, "factor", 0.1, 0.99, "budget scale x this on a near miss")
     oom_backoff: float = _gain(0.5, "factor", 0.05, 0.99, "budget scale and caps x this on an OOM")
+    retry_backoff: float = _gain(1.0, "factor", 0.1, 1.0, "budget scale x this on an allocator retry")
     backoff_threshold: float = _gain(1.0, "fraction of usable", 0.5, 2.0, "measured peak above -> backoff")
     recover_below: float = _gain(0.95, "fraction of usable", 0.1, 2.0, "measured peak below -> may recover")
     recovery_step: float = _gain(0.02, "fraction of usable per step", 1e-4, 0.5, "additive recovery")
@@ -68,8 +69,8 @@ class ControllerConfig:
     kv_ratio_floor: float = _gain(0.1, "fraction of max_tokens", 0.0, 1.0, "lowest reservation ratio")
     kv_ratio_decay_steps: int = _gain(600, "decode steps", 1, 1 << 24, "init -> floor decay time")
     kv_ratio_jump: float = _gain(0.2, "fraction of max_tokens", 0.0, 1.0, "ratio rise on preemption")
-    kv_churn_max: float = _gain(4.0, "preemptions per 1000 steps", 0.0, 1e6, "tolerated churn")
-    kv_floor_step: float = _gain(0.1, "fraction of max_tokens", 0.0, 1.0, "floor rise when churn is over")
+    kv_churn_max: float = _gain(50.0, "preemptions per 1000 steps", 0.0, 1e6, "tolerated churn")
+    kv_floor_step: float = _gain(0.05, "fraction of max_tokens", 0.0, 1.0, "floor rise when churn is over")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

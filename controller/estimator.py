@@ -20,6 +20,7 @@ per-call overhead on such small matrices.
 from __future__ import annotations
 
 from collections import deque
+from operator import mul
 
 from telemetry.record import StepShape
 
@@ -30,6 +31,8 @@ FEATURES = ("intercept", "prefill_tokens", "prefill_seqs", "decode_seqs", "sum_c
 SCALES = (1.0, 1024.0, 8.0, 64.0, 16384.0, float(1 << 22), 64.0)
 N = len(FEATURES)
 _RECOMPUTE_EVERY = 8
+_SKIP_TOLERANCE = 0.05  # relative residual below which a decode-only step may skip the RLS update
+_SKIP_MAX = 7  # ... but at least every 8th decode-only step is learnt
 
 
 def features(shape: StepShape) -> list[float]:
@@ -49,7 +52,7 @@ class _QuantileWindow:
     """Upper quantile of the last `size` values, re-sorted every few inserts; a new value above the
     cached quantile raises it at once (the margin grows immediately, shrinks lazily)."""
 
-    def __init__(self, size: int, q: float, cold: float, min_samples: int = 8) -> None:
+    def __init__(self, size: int, q: float, cold: float, min_samples: int = 4) -> None:
         self.values: deque[float] = deque(maxlen=size)
         self.q = q
         self.cold = cold
@@ -67,6 +70,11 @@ class _QuantileWindow:
         elif self._since >= _RECOMPUTE_EVERY:
             self.recompute()
 
+    def clear(self) -> None:
+        self.values.clear()
+        self._since = 0
+        self.value = self.cold
+
     def recompute(self) -> None:
         self._since = 0
         if len(self.values) < self.min_samples:
@@ -83,16 +91,21 @@ class PeakEstimator:
         self,
         forgetting: float = 0.995,
         prior_variance: float = 100.0,
-        margin_quantile: float = 0.99,
-        margin_window: int = 128,
+        margin_quantile: float = 0.95,
+        margin_window: int = 64,
         margin_floor_mib: float = 16.0,
         margin_cold: float = 0.5,
         change_threshold: float = 0.5,
         change_count: int = 2,
+        active: tuple[str, ...] = FEATURES,
     ) -> None:
-        self.theta = [0.0] * N
+        # Only these features are learnt (the others stay 0): fewer features, quadratically cheaper RLS.
+        self.active = [FEATURES.index(a) for a in active]
+        self.n = len(self.active)
+        self._scales = [SCALES[i] for i in self.active]
+        self.theta = [0.0] * self.n
         self.prior_variance = prior_variance
-        self.P = [0.0] * (N * N)
+        self.P: list[list[float]] = []
         self._reset_cov()
         self.forgetting = forgetting
         self.margin_floor = margin_floor_mib
@@ -102,12 +115,15 @@ class PeakEstimator:
             True: _QuantileWindow(margin_window, margin_quantile, margin_cold),  # steps with prefill
             False: _QuantileWindow(margin_window, margin_quantile, margin_cold),  # decode-only steps
         }
-        self.samples = 0  # sampled updates since the last reset
-        self.total_samples = 0
+        self.samples = 0  # RLS updates since the last reset
+        self.total_samples = 0  # sampled steps seen
         self.resets = 0
         self._run = 0  # consecutive large residuals of the same sign
-        self._raw = [0.0] * N  # theta / scale: MiB per raw feature unit, for fast predictions
+        self._raw = [0.0] * N  # theta / scale on all 7 features: MiB per raw unit, for fast predictions
+        self.version = 0  # bumped whenever the coefficients change
         self.last_residual = 0.0
+        self.last_prediction = 0.0
+        self._skipped = 0
 
     # --- configuration ---------------------------------------------------------------------------------
     def configure(self, forgetting: float, prior_variance: float, margin_quantile: float, margin_window: int,
@@ -127,11 +143,8 @@ class PeakEstimator:
             w.recompute()
 
     def _reset_cov(self) -> None:
-        P = self.P
-        for i in range(N * N):
-            P[i] = 0.0
-        for i in range(N):
-            P[i * N + i] = self.prior_variance
+        n = self.n
+        self.P = [[self.prior_variance if i == j else 0.0 for j in range(n)] for i in range(n)]
 
     def reset(self, reason: str = "") -> None:
         """Covariance resetting: keep theta as the prior mean, make the next samples dominate."""
@@ -139,6 +152,8 @@ class PeakEstimator:
         self.samples = 0
         self.resets += 1
         self._run = 0
+        for w in self.windows.values():  # old residuals describe the old plant: margin goes cold
+            w.clear()
 
     # --- prediction --------------------------------------------------------------------------------------
     @property
@@ -162,22 +177,24 @@ class PeakEstimator:
 
     @property
     def trained(self) -> bool:
-        return self.samples >= 2 * N
+        return self.samples > self.n
 
     # --- learning ----------------------------------------------------------------------------------------
     def update(self, shape: StepShape, peak_mib: float, censored: bool = False) -> float:
         """Learn from one sampled step; returns the a-priori relative residual. `censored`: the step hit
         an OOM, so `peak_mib` is only a lower bound; it is learnt as a value and treated as a change."""
-        x = features(shape)
         pred = self.predict(shape)
+        self.last_prediction = pred
         err = peak_mib - pred
         rel = err / (pred + self.margin_floor + 1e-9)
         self.last_residual = rel
         if self.trained:  # an untrained model's errors say nothing about the margin it needs
             self.windows[shape.prefill_tokens > 0].add(min(rel, 4.0))
-        # change detection
+        # change detection (an untrained model's large errors are expected, not a change)
         if censored:
             self.reset("oom")
+        elif not self.trained:
+            self._run = 0
         elif rel > self.change_threshold:
             self._run = self._run + 1 if self._run > 0 else 1
         elif rel < -self.change_threshold:
@@ -186,33 +203,62 @@ class PeakEstimator:
             self._run = 0
         if abs(self._run) >= self.change_count:
             self.reset("change")
-        self._rls(x, peak_mib)
-        self.samples += 1
         self.total_samples += 1
+        # Event-triggered learning: steady serving repeats nearly the same shapes; when the model already
+        # predicts a step well, the update teaches little and is most of the controller's cost. Learn on
+        # surprise, and at least every 8th step.
+        if not censored and self.trained and abs(rel) < _SKIP_TOLERANCE and self._skipped < _SKIP_MAX:
+            self._skipped += 1
+            return rel
+        self._skipped = 0
+        x = features(shape)
+        self._rls([x[i] for i in self.active] if self.n < N else x, peak_mib)
+        self.samples += 1
         return rel
 
     def _rls(self, x: list[float], y: float) -> None:
-        P, th, lam = self.P, self.theta, self.forgetting
-        idx = [i for i in range(N) if x[i] != 0.0]
-        Px = [sum(P[i * N + j] * x[j] for j in idx) for i in range(N)]
-        denom = lam + sum(x[i] * Px[i] for i in idx)
-        err = y - sum(th[i] * x[i] for i in idx)
-        inv = 1.0 / denom
-        k = [p * inv for p in Px]
+        P, th, lam, n = self.P, self.theta, self.forgetting, self.n
+        Px = [sum(map(mul, row, x)) for row in P]
+        inv = 1.0 / (lam + sum(map(mul, x, Px)))
+        err = (y - sum(map(mul, th, x))) * inv
         # covariance windup guard: forget only while the covariance is bounded
-        trace = sum(P[i * N + i] for i in range(N))
-        scale = 1.0 / lam if trace < self.prior_variance * N else 1.0
-        for i in range(N):
-            ki = k[i]
-            th[i] = max(0.0, th[i] + ki * err)
-            row = i * N
-            for j in range(i, N):
-                v = (P[row + j] - ki * Px[j]) * scale
-                P[row + j] = v
-                P[j * N + i] = v
+        trace = sum([row[i] for i, row in enumerate(P)])
+        scale = 1.0 / lam if trace < self.prior_variance * n else 1.0
+        k = [p * scale for p in Px]
+        for i in range(n):
+            pi = Px[i]
+            th[i] += pi * err
+            ki = pi * inv
+            P[i] = [p * scale - ki * q for p, q in zip(P[i], k, strict=False)]
+        if min(th) < 0.0:
+            self._project(th, P)
         raw = self._raw
-        for i in range(N):
-            raw[i] = th[i] / SCALES[i]
+        for i, t, sc in zip(self.active, th, self._scales, strict=True):
+            raw[i] = t / sc
+        self.version += 1
+
+    @staticmethod
+    def _project(th: list[float], P: list[list[float]]) -> None:
+        """Non-negativity: fix the most negative coefficient at 0 and move the others to their mean
+        conditional on it (theta -= P[:, i] * theta_i / P[i, i]), a few rounds, then clip what is left.
+        Plain clipping is not enough: with correlated features the clipped mass reappears in the other
+        coefficients every update and the prediction drifts away from what is measured."""
+        n = len(th)
+        for _ in range(3):
+            i = min(range(n), key=th.__getitem__)
+            v = th[i]
+            if v >= 0.0:
+                return
+            pii = P[i][i]
+            if pii <= 0.0:
+                break
+            f = v / pii
+            for j in range(n):
+                th[j] -= P[j][i] * f
+            th[i] = 0.0
+        for j in range(n):
+            if th[j] < 0.0:
+                th[j] = 0.0
 
     # --- observability -----------------------------------------------------------------------------------
     def coefficients(self) -> dict[str, float]:

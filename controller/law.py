@@ -3,7 +3,9 @@
 Two actuators, two jobs:
 - `scale` (0 < scale <= 1) multiplies the usable budget that admission packs steps against. It backs off
   multiplicatively (fast) when a measured peak comes past the setpoint (peak > backoff_threshold *
-  usable), when the allocator had to retry, or hard on an OOM; it recovers additively (slow) after
+  usable), optionally when the allocator had to flush its cache and retry (`retry_backoff`; off by
+  default: a caching allocator flushes routinely near its limit, which is not yet danger), and hard on an
+  OOM; it recovers additively (slow) after
   `recovery_hold` clean steps, and only on steps that admission actually limited (anti-windup: no credit
   is banked while the budget is not what limits the batch) and whose peak sat below recover_below *
   usable (the band between the two thresholds is the hysteresis: inside it nothing moves).
@@ -81,11 +83,12 @@ class ControlLaw:
                              f"{self.prefill_cap}, decode cap -> {self.decode_cap}")]
         near = (peak_mib is not None and usable_mib is not None
                 and peak_mib > cfg.backoff_threshold * usable_mib)
-        if near or alloc_retry:
+        retry = alloc_retry and cfg.retry_backoff < 1.0
+        if near or retry:
             if step - self.last_backoff_step >= cfg.backoff_cooldown:
-                self._backoff(cfg.backoff, prefill_tokens, decode_seqs, hard=False)
-                why = ("allocator retry" if alloc_retry
-                       else f"peak {peak_mib:.0f} MiB > {cfg.backoff_threshold:.2f} x usable {usable_mib:.0f} MiB")
+                self._backoff(cfg.backoff if near else cfg.retry_backoff, prefill_tokens, decode_seqs, hard=False)
+                why = (f"peak {peak_mib:.0f} MiB > {cfg.backoff_threshold:.2f} x usable {usable_mib:.0f} MiB"
+                       if near else "allocator retry (cache flush)")
                 return [LawEvent("backoff", f"{why}: scale -> {self.scale:.3f}")]
             self.clean_steps = 0
             return None

@@ -1,0 +1,125 @@
+"""Engine-core throughput straight on TorchBackend (no scheduler): prefill tok/s for one long prompt, and
+decode output tok/s for a batch of sequences that each hold `--context` tokens of KV.
+
+Decode sequences start with their context marked as already computed (the KV holds zeros): attention
+cost depends on the context length, not on what the cache holds, and it saves prefilling 32 x 300 tokens
+on a small CPU.
+
+Besides wall-clock tok/s it reports tokens per CPU-second of this process: on a machine shared with other
+busy processes, wall time mostly measures the neighbours, while with --threads 1 CPU time still measures
+the engine (with more threads it also counts OpenMP's spin-waiting).
+
+    .venv/bin/python bench/bench_engine.py --dtype bfloat16 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kv_cache import BlockAllocator  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+from engine.torch_backend import TorchBackend  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=None)
+
+
+def random_ids(n: int, vocab: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def timed(backend: TorchBackend, batch: ScheduledBatch) -> tuple[list[int], float, float]:
+    """execute(batch): (tokens, wall seconds, CPU seconds of this process)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = backend.execute(batch)
+    return tokens, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def bench_prefill(backend: TorchBackend, tokens: int, repeats: int, rng: random.Random) -> tuple[float, float]:
+    """Best of `repeats` single-prompt prefills (one step, one sampled token): (tok/s, tok/CPU-s)."""
+    alloc = BlockAllocator(backend.num_blocks, backend.block_size)
+    times = []
+    for _ in range(repeats):
+        seq = Sequence("p", random_ids(tokens, backend.config.vocab_size, rng), GREEDY, 1)
+        seq.block_table = alloc.allocate(alloc.blocks_for(tokens))
+        batch = ScheduledBatch()
+        batch.add(ScheduledSeq(seq, 0, tokens, True))
+        times.append(timed(backend, batch)[1:])
+        alloc.free(seq.block_table)
+    return tokens / min(t[0] for t in times), tokens / min(t[1] for t in times)
+
+
+def bench_decode(
+    backend: TorchBackend, batch_size: int, context: int, steps: int, rng: random.Random
+) -> tuple[float, float]:
+    """Output (tok/s, tok/CPU-s) over the median of `steps` decode steps of `batch_size` sequences, after
+    one warm-up step."""
+    alloc = BlockAllocator(backend.num_blocks, backend.block_size)
+    seqs = []
+    for i in range(batch_size):
+        seq = Sequence(str(i), random_ids(context, backend.config.vocab_size, rng), GREEDY, steps + 2)
+        seq.output_ids = [rng.randrange(100, backend.config.vocab_size)]
+        seq.num_computed = seq.num_tokens - 1
+        seq.block_table = alloc.allocate(alloc.blocks_for(context + steps + 2))
+        seqs.append(seq)
+    durations = []
+    for _ in range(steps + 1):
+        batch = ScheduledBatch()
+        for seq in seqs:
+            batch.add(ScheduledSeq(seq, seq.num_computed, 1, False))
+        tokens, wall, cpu = timed(backend, batch)
+        durations.append((wall, cpu))
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.num_computed += 1
+            seq.output_ids.append(token)
+    for seq in seqs:
+        alloc.free(seq.block_table)
+    wall, cpu = zip(*durations[1:], strict=True)
+    return batch_size / statistics.median(wall), batch_size / statistics.median(cpu)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--prefill-tokens", type=int, default=1024)
+    p.add_argument("--prefill-repeats", type=int, default=2)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    block_size = 16
+    per_seq = -(-(args.context + args.steps + 2) // block_size)
+    num_blocks = max(max(batches) * per_seq, -(-args.prefill_tokens // block_size)) + 8
+    backend = TorchBackend(args.model, dtype=args.dtype, device="cpu", num_blocks=num_blocks, attention="sdpa")
+    rng = random.Random(0)
+    bench_prefill(backend, 128, 1, rng)  # warm-up
+    print(f"model {backend.model_name}, dtype {args.dtype}, threads {args.threads}, torch {torch.__version__}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    print("| measurement | tok/s | tok/CPU-s |\n|---|---|---|")
+    if args.prefill_tokens:
+        wall, cpu = bench_prefill(backend, args.prefill_tokens, args.prefill_repeats, rng)
+        print(f"| prefill, {args.prefill_tokens}-token prompt | {wall:.1f} | {cpu:.1f} |", flush=True)
+    for b in batches:
+        wall, cpu = bench_decode(backend, b, args.context, args.steps, rng)
+        print(f"| decode, batch {b}, context {args.context} | {wall:.1f} | {cpu:.1f} |", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Llama in plain torch, over a flattened ragged batch and a paged KV cache.
+
+Weights use HF's layout and RoPE convention (rotate_half); q/k/v and gate/up are fused into one matmul
+each, which on CPU saves more time than anything else at small batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, KVCache, paged_attention
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF's dict ("llama3", "linear"), or {"rope_type": "freq_factors", "factors": [...]} from a GGUF
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with HF's rope scaling applied."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "freq_factors":
+        return (inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)).float()
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}: only llama3 and linear are implemented")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalized in fp32 and cast back before the weight, as HF's LlamaRMSNorm does (one fused op for the
+    normalization: this runs 61 times a step)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.attn_norm = _param(d, dtype=dtype, device=device)
+        self.wqkv = _param(self.q_size + 2 * self.kv_size, d, dtype=dtype, device=device)
+        self.wo = _param(d, self.q_size, dtype=dtype, device=device)
+        self.mlp_norm = _param(d, dtype=dtype, device=device)
+        self.w_gate_up = _param(2 * cfg.intermediate_size, d, dtype=dtype, device=device)
+        self.w_down = _param(d, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.wqkv)
+        # q and k heads are adjacent in the fused output: rotate them with one set of ops
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        q, k = (qk * cos + rotate_half(qk) * sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        o = paged_attention(q, k, v, kv_cache, meta)
+        x = x + F.linear(o.view(t, self.q_size), self.wo)
+        h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.w_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down)
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            self.embed
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        # [max_pos, 1, head_dim] in the model dtype, broadcast over heads (HF casts cos/sin the same way)
+        self.register_buffer("rope_cos", angles.cos()[:, None, :].to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("rope_sin", angles.sin()[:, None, :].to(dtype=dtype, device=device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] over all sequences' new tokens. Returns final-norm hidden [T, D]."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, D] for the rows that sample only (a prompt's other rows never reach the vocab matmul,
+        the largest one in a small model). Returns float32 [S, V]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused layout. The
+        dict is consumed, so each source tensor can be freed once copied."""
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return weights.pop(name)
+            except KeyError:
+                raise KeyError(f"checkpoint is missing {name}") from None
+
+        with torch.no_grad():
+            self.embed.copy_(take("model.embed_tokens.weight"))
+            self.norm.copy_(take("model.norm.weight"))
+            if not self.cfg.tie_word_embeddings:
+                self.lm_head.copy_(take("lm_head.weight"))
+            weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.attn_norm.copy_(take(p + "input_layernorm.weight"))
+                layer.mlp_norm.copy_(take(p + "post_attention_layernorm.weight"))
+                qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+                layer.wqkv.copy_(torch.cat(qkv))
+                layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.w_gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                layer.w_down.copy_(take(p + "mlp.down_proj.weight"))
+        unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
+        if unused:
+            raise ValueError(f"checkpoint has weights this Llama does not use: {unused[:5]}")

@@ -1,0 +1,291 @@
+"""The engine's background loop: one thread owns the LLMEngine; the asyncio side talks to it by message.
+
+Why a thread: the scheduler, KV allocator and policy are single-threaded, and a step is mostly torch
+kernels that release the GIL, so the event loop stays responsive while the engine computes. Requests and
+aborts go in through a thread-safe command queue (applied between steps, so an abort frees its KV blocks
+before the next step); outputs come back through one `loop.call_soon_threadsafe` per step that fills each
+request's asyncio queue. A request's error (bad parameters, too long) is answered on that request only; an
+exception from the step itself kills the loop, every open request is failed, and /health turns 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.llm_engine import EngineDeadError, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+from telemetry.record import StepRecord
+
+logger = logging.getLogger("headroom.server")
+
+IDLE_POLL_S = 1.0  # how long the idle loop blocks on the command queue before re-checking for stop
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is over `max_waiting`: the API answers 429 with Retry-After."""
+
+    def __init__(self, waiting: int, bound: int, retry_after: int = 1) -> None:
+        super().__init__(f"the server is overloaded: {waiting} requests waiting (bound {bound}); retry later")
+        self.retry_after = retry_after
+
+
+@dataclass
+class Update:
+    """New output tokens of one request; `finish_reason` set on the last update."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_text_len: int | None = None
+
+
+_ACCEPTED = object()  # first message to a request: the engine took it
+
+
+class RequestHandle:
+    """The asyncio side of one request: iterate for Updates; `abort()` when the client goes away."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_len: int) -> None:
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.num_tokens = 0
+        self.finished = False
+        self._owner = owner
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def _accepted(self) -> None:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.num_tokens += len(item.token_ids)
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Idempotent; a no-op once the request finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner._commands.put(("abort", self.request_id))
+
+
+@dataclass
+class _Live:
+    handle: RequestHandle
+    sent: int = 0  # output tokens already published
+
+
+@dataclass
+class _Add:
+    handle: RequestHandle
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class AsyncEngine:
+    engine: LLMEngine
+    max_waiting: int = 256
+    on_step: list[Callable[[StepRecord], None]] = field(default_factory=list)
+    on_finish: list[Callable[[Sequence], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submit against death/stop, guards _pending
+        self._pending = 0  # adds queued but not yet applied
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._outbox: list[tuple[RequestHandle, Any]] = []  # engine thread only
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.engine.step_listeners.append(self._step_listener)
+        self.engine.finish_listeners.append(self._finish_listener)
+
+    # ---- lifecycle (event loop thread) -------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="headroom-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and self.engine.healthy
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    # ---- requests (event loop thread) --------------------------------------------------------------
+    async def add(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request and wait until the engine accepted it. Raises the engine's RequestError (400),
+        EngineDeadError (503) or QueueFullError (429)."""
+        handle = RequestHandle(self, f"req-{next(self._ids)}", len(prompt_ids))
+        arrival = self.engine.backend.now()
+        with self._lock:
+            if self.error is not None or self._stopping or not self.engine.healthy:
+                raise EngineDeadError(self.dead_reason())
+            waiting = self.num_waiting()
+            if waiting >= self.max_waiting:
+                raise QueueFullError(waiting, self.max_waiting)
+            self._pending += 1
+            self._commands.put(("add", _Add(handle, list(prompt_ids), params, arrival)))
+        try:
+            await handle._accepted()
+        except asyncio.CancelledError:
+            handle.abort()
+            raise
+        return handle
+
+    def dead_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine loop stopped: {type(self.error).__name__}: {self.error}"
+        if self._stopping:
+            return "the server is shutting down"
+        return "the engine is unhealthy after an out-of-memory error its policy cannot recover from"
+
+    # ---- the loop (engine thread) ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain(block=not self.engine.has_unfinished()):
+                    break
+                self._flush()
+                if self.engine.has_unfinished():
+                    self._publish(self.engine.step())
+                    self._flush()
+        except BaseException as e:  # noqa: BLE001 - anything that escapes a step ends the loop
+            logger.exception("the engine loop died")
+            self.error = e
+        self._fail_all(EngineDeadError(self.dead_reason()))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; blocks for the first when idle. False on a stop command."""
+        try:
+            cmd = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "add":
+                self._apply_add(cmd[1])
+            elif cmd[0] == "abort" and cmd[1] in self._live:
+                self.engine.abort(cmd[1])  # the finish listener publishes and forgets it
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply_add(self, add: _Add) -> None:
+        with self._lock:
+            self._pending -= 1
+        params, rid = add.params, add.handle.request_id
+        try:
+            if params.max_tokens is None:
+                params.max_tokens = self._default_max_tokens(len(add.prompt_ids))
+            self.engine.add_request(rid, add.prompt_ids, params, arrival_time=add.arrival_time)
+        except Exception as e:  # noqa: BLE001 - a request's error is that request's answer, never the loop's
+            self._outbox.append((add.handle, e))
+            return
+        self._live[rid] = _Live(add.handle)
+        self._outbox.append((add.handle, _ACCEPTED))
+
+    def _default_max_tokens(self, prompt_len: int) -> int:
+        """'Up to the context' (chat without max_tokens), but never more than the whole KV pool holds:
+        otherwise a small pool (the twin's) would reject every such request."""
+        alloc = self.engine.allocator
+        room = min(self.engine.max_model_len, alloc.num_blocks * alloc.block_size) - prompt_len
+        return max(1, room)
+
+    def _publish(self, touched: list[Sequence]) -> None:
+        for seq in touched:
+            live = self._live.get(seq.request_id)
+            if live is not None and len(seq.output_ids) > live.sent:
+                self._outbox.append((live.handle, Update(seq.output_ids[live.sent :])))
+                live.sent = len(seq.output_ids)
+
+    def _finish_listener(self, seq: Sequence) -> None:
+        live = self._live.pop(seq.request_id, None)
+        if live is not None:
+            update = Update(seq.output_ids[live.sent :], seq.finish_reason or "abort", seq.stop_text_len)
+            self._outbox.append((live.handle, update))
+        for listener in self.on_finish:
+            self._call(listener, seq)
+
+    def _step_listener(self, record: StepRecord, batch: ScheduledBatch) -> None:
+        for listener in self.on_step:
+            self._call(listener, record)
+
+    @staticmethod
+    def _call(listener: Callable[[Any], None], arg: Any) -> None:
+        """Telemetry must not take serving down: a failing listener is logged, not raised."""
+        try:
+            listener(arg)
+        except Exception:  # noqa: BLE001
+            logger.exception("listener %r failed", listener)
+
+    def _flush(self) -> None:
+        if not self._outbox or self._loop is None:
+            return
+        batch, self._outbox = self._outbox, []
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """The loop ended: fail every open and queued request so no client waits forever."""
+        with self._lock:
+            self._stopping = True
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    self._pending -= 1
+                    self._outbox.append((cmd[1].handle, error))
+        for live in self._live.values():
+            self._outbox.append((live.handle, error))
+        self._live.clear()
+        self._flush()
+
+
+def _deliver(batch: list[tuple[RequestHandle, Any]]) -> None:
+    for handle, item in batch:
+        handle._queue.put_nowait(item)

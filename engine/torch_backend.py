@@ -1,0 +1,166 @@
+"""The real plant: a Llama, its paged KV pool and the sampler behind the Backend protocol."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.attention import (
+    allocate_kv_cache,
+    build_attention_metadata,
+    check_backend,
+    kv_cache_bytes_per_block,
+)
+from engine.loaders import load
+from engine.sampler import Sampler, mask_tokens
+from telemetry.probes import make_probe
+from telemetry.probes.cpu import tensor_bytes
+from telemetry.units import parse_bytes
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
+
+CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_attention(name: str, block_size: int, device: torch.device, dtype: torch.dtype) -> str:
+    """'auto' takes flash-attn where it can run (CUDA, installed, 16-bit, block_size a multiple of 256)."""
+    if name == "auto":
+        usable = (
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)
+            and block_size % 256 == 0
+            and importlib.util.find_spec("flash_attn") is not None
+        )
+        return "flash" if usable else "sdpa"
+    check_backend(name, block_size, device)
+    return name
+
+
+class TorchBackend:
+    def __init__(
+        self,
+        model: str = "default",
+        dtype: str | torch.dtype = "bfloat16",
+        device: str | torch.device | None = "auto",
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        attention: str = "auto",
+        probe: Any = None,
+        device_memory: int | str | None = None,
+        max_model_len: int | None = None,
+        kv_memory_fraction: float = 0.5,
+        seed: int | None = None,
+    ) -> None:
+        """dtype: bfloat16 (default) is bitwise batch-invariant on CPU (a token's logits do not depend on what
+        else is in the batch); float32 runs 5x faster matmuls on CPU (MKL) but rounds rows differently for
+        small batches, so greedy outputs can differ between batched and alone.
+        `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe
+        and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
+        weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
+        `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws."""
+        if device in (None, "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.block_size = block_size
+        self.attention = resolve_attention(attention, block_size, self.device, self.dtype)
+        capacity = parse_bytes(device_memory) if device_memory is not None else None
+        loaded = load(model, self.dtype, self.device)
+        self.model = loaded.model
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
+        self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, block_size, self.dtype, self.device)
+        self.max_model_len = min(
+            self.config.max_position_embeddings, self.num_blocks * block_size, max_model_len or 1 << 62
+        )
+        if probe is None:
+            device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
+            idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
+            probe = make_probe(device_name, capacity, idle_bytes=idle)
+        self.probe = probe
+        self.sampler = Sampler(seed)
+
+    def _default_num_blocks(self, capacity: int | None, fraction: float) -> int:
+        per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            available = free if capacity is None else capacity - torch.cuda.memory_allocated(self.device)
+        elif capacity is not None:
+            available = capacity - tensor_bytes([self.model])
+        else:
+            return -(-CPU_KV_TOKENS // self.block_size)
+        blocks = int(available * fraction) // per_block
+        if blocks < 1:
+            raise ValueError(f"no room for a KV cache: {available} bytes left after loading the weights")
+        return blocks
+
+    def recover_from_oom(self) -> None:
+        """Hand the failed step's cached blocks back so the next, smaller step starts clean."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def _banned(self, seq: Sequence) -> set[int]:
+        """Tokens that would end `seq` before min_tokens: its stop ids, and EOS unless EOS is ignored."""
+        banned = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            banned |= self.eos_token_ids
+        return banned
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """One forward over every item's new tokens; one sampled token per item with `sample`, in order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []  # flat-batch index of each sampling item's last new token
+        for item in batch.items:
+            end = item.start + item.num_tokens
+            ids += item.seq.token_ids[item.start : end]
+            positions += range(item.start, end)
+            if item.sample:
+                rows.append(len(ids) - 1)
+        if not batch.items:
+            return []
+        meta = build_attention_metadata(
+            [(it.start, it.num_tokens, it.seq.block_table) for it in batch.items],
+            self.block_size,
+            self.device,
+            self.attention,
+        )
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, meta
+        )
+        if not rows:
+            return []
+        seqs = [it.seq for it in batch.items if it.sample]
+        logits = self.model.compute_logits(hidden[rows])
+        mask_tokens(
+            logits, [(i, self._banned(s)) for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
+        )
+        return self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs])

