@@ -2,8 +2,8 @@
 
 One step = limits() + the scheduler's fit calls (one fit_decode per running sequence, a fit_chunk per
 prompt chunk) + observe(record). Synthetic records from a plant like the 4090 twin's (0.5 MiB per
-token through lm_head, 40 MiB per prompt), every step sampled (the worst case: the estimator updates
-every step). Prints a markdown table; --out writes it to a file.
+token through lm_head, 40 MiB per prompt), every step sampled (the worst case for the probe side).
+Prints a markdown table; --out writes it to a file.
 
     .venv/bin/python bench/bench_controller.py --steps 20000 --out bench/results/controller_decision.md
 """
@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cases = [
+        ("observe + limits + 2 fit_decode + 2 fit_chunk", 2, 2, 1),
         ("decode 32, no prefill", 32, 0, 1),
         ("decode 32 + 2 chunks every step", 32, 2, 1),
         ("decode 64 + 1 chunk every 8th step", 64, 1, 8),
@@ -162,7 +163,8 @@ def main() -> None:
         "",
         f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}; "
         "one step = limits() + one fit_decode per running sequence + fit_chunk per prompt chunk + "
-        "observe(record), every record sampled (estimator and retained-memory model update every step). "
+        "observe(record), every record sampled (the two estimators run RLS on a surprise, else at least every "
+        "8th step; the other steps still update residuals, budget, law and KV ratio). "
         "Times are CPU time of the process (time.process_time_ns), so load from other processes on the "
         f"machine (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the run) does not count.",
         "",

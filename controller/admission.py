@@ -2,8 +2,10 @@
 
 The check is `bound(pred(step + candidate)) <= scale * usable`, where bound() is the estimator's
 prediction plus its relative margin (q) and floor (f): pred + q * (pred + f) + f. Solving that for pred
-once per step gives a threshold T = scale * usable / (1 + q) - f, so each fit call is a handful of
-multiply-adds (the scheduler calls fit_decode once per running sequence, every step).
+once per step (AdaptivePolicy._refresh) gives a threshold T = scale * usable / (1 + q) - f, so each fit
+call here is a handful of multiply-adds (the scheduler calls fit_decode once per running sequence,
+every step). The same functions serve the other two checks (pair, worst case) with their own summed
+coefficient vectors and thresholds.
 
 The candidate's features follow engine/scheduler.py's StepShape accounting: a prefill chunk c of a
 sequence with k tokens already in KV adds c prefill tokens, one prefill sequence, k + c context,
@@ -22,11 +24,6 @@ import math
 from telemetry.record import StepShape
 
 INF = float("inf")
-
-
-def threshold(budget_mib: float, rel_margin: float, floor_mib: float) -> float:
-    """Largest prediction (MiB) whose bound still fits in `budget_mib`."""
-    return budget_mib / (1.0 + rel_margin) - floor_mib
 
 
 def predict(r: list[float], s: StepShape) -> float:
