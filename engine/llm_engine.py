@@ -141,8 +141,8 @@ class LLMEngine:
             self.ooms += 1
             self.backend.recover_from_oom()
         now = self.backend.now()
-        record = self._record(batch, start, now - start, oom)
         touched = self._advance(batch, tokens, now) if not oom else self._on_oom(batch)
+        record = self._record(batch, start, now - start, oom)  # KV and queue counts as the step leaves them
         self.policy.observe(record)
         for listener in self.step_listeners:
             listener(record, batch)
