@@ -69,18 +69,6 @@ class CachingAllocator:
         self._where: dict[object, tuple[list[list], list]] = {}
 
     # -- state -----------------------------------------------------------------------------------
-    def _intern(self, key: tuple) -> int:
-        sid = self._state_ids.get(key)
-        if sid is None:
-            sid = self._state_ids[key] = len(self._states)
-            segs, small = key[0], key[1]
-            self._states.append((key, sum(size for s in segs for size, _ in s) + small))
-        return sid
-
-    @property
-    def state(self) -> tuple:
-        return self._states[self.state_id][0]
-
     @property
     def reserved(self) -> int:
         return sum(b[0] for s in self.segments for b in s) + self.small_reserved
