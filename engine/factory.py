@@ -66,6 +66,11 @@ def build_policy(args: argparse.Namespace) -> Policy:
 
 
 def build_backend(args: argparse.Namespace) -> Backend:
+    backend = _plain_backend(args)
+    return OOMInjector(backend, args.inject_oom_rate) if args.inject_oom_rate else backend
+
+
+def _plain_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "twin":
         from engine.twin.backend import TwinBackend
 
@@ -90,10 +95,7 @@ def build_backend(args: argparse.Namespace) -> Backend:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    backend = build_backend(args)
-    if args.inject_oom_rate:
-        backend = OOMInjector(backend, args.inject_oom_rate)
-    return LLMEngine(backend, build_policy(args))
+    return LLMEngine(build_backend(args), build_policy(args))
 
 
 def engine_args(argv: list[str] | None = None, **defaults: object) -> argparse.Namespace:
