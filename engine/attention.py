@@ -28,6 +28,9 @@ FLASH_BLOCK_MULTIPLE = 256
 # sdpa pads every key range to a multiple of this many keys (masked), so that all its matmuls take the
 # same blocked bf16 kernel: torch uses a plain loop (another summation order) for tiny ones.
 KEY_ALIGN = 32
+# sdpa attends a long prefill in runs of this many queries, each over the keys it can see: causal masking
+# then skips about half the score matrix, and the step's peak memory stays bounded.
+QUERY_CHUNK = 256
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -110,15 +113,19 @@ class AttentionMetadata:
 
     @cached_property
     def prefill_plan(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """Per sequence with several new tokens: (first row in the flat batch, token count, its block table
-        [1, blocks], causal mask [n, keys] for those tokens)."""
+        """Per run of at most QUERY_CHUNK new tokens of a sequence with several: (first row in the flat
+        batch, token count, block table [1, blocks] cut to the run's last key, causal mask [n, keys])."""
         plan = []
         for i, (n, ctx) in enumerate(zip(self.query_lens, self.context_lens, strict=True)):
-            if n > 1:
-                tables = self.block_tables[i : i + 1, : self.blocks_for(ctx)]
+            if n == 1:
+                continue
+            for first in range(0, n, QUERY_CHUNK):
+                m = min(QUERY_CHUNK, n - first)
+                end = ctx - n + first + m  # keys this run sees
+                tables = self.block_tables[i : i + 1, : self.blocks_for(end)]
                 keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
-                causal = keys[None, :] <= torch.arange(ctx - n, ctx, device=self.device)[:, None]
-                plan.append((self.query_starts[i], n, tables, causal))
+                causal = keys[None, :] <= torch.arange(end - m, end, device=self.device)[:, None]
+                plan.append((self.query_starts[i] + first, m, tables, causal))
         return plan
 
     @cached_property
@@ -179,7 +186,8 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     takes a different kernel for B == 1 than for B > 1."""
     b, n = tables.shape
     _, bs, kvh, hd = cache.shape
-    return cache[tables].view(b, n * bs, kvh, hd).transpose(1, 2).contiguous()
+    # index_select: 2-3x faster than advanced indexing (cache[tables]) on CPU
+    return cache.index_select(0, tables.reshape(-1)).view(b, n * bs, kvh, hd).transpose(1, 2).contiguous()
 
 
 def _attend(

