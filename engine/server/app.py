@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -176,6 +176,40 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         except (RequestError, QueueFullError, EngineDeadError) as e:
             raise _engine_error(e) from e
 
+    async def respond(
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        request: Request,
+        ids: list[int],
+        params: SamplingParams,
+        kinds: tuple[str, str],
+        body: Callable[..., dict[str, Any]],
+        chunks: Callable[[str, int, RequestHandle, TextStream], AsyncIterator[dict]],
+    ) -> Response:
+        """What both endpoints do once the prompt is tokenized: submit, then answer with one JSON body or
+        an SSE stream of `chunks`, the usage chunk if asked for, and [DONE]. `kinds` is (id prefix, chunk
+        object name)."""
+        handle = await submit(ids, params)
+        text, rid, created = TextStream(tokenizer, params.stop), p.new_id(kinds[0]), p.now()
+        if not req.stream:
+            reason = await _collect(handle, text, request)
+            if reason is None:
+                return Response(status_code=499)
+            use = p.usage(len(ids), handle.num_tokens)
+            return JSONResponse(body(rid, created, model_name, text.final or "", reason, use))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks(rid, created, handle, text):
+                    yield _sse(chunk)
+                if req.include_usage:
+                    use = p.usage(len(ids), handle.num_tokens)
+                    yield _sse(p.usage_chunk(rid, created, model_name, kinds[1], use))
+            except APIError as e:
+                yield _sse(error_body(e.message, e.type, e.param, e.code))
+            yield _sse("[DONE]")
+
+        return _AbortOnClose(events(), handle)
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
     @v1.get("/models")
@@ -190,27 +224,12 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
         prompt = req.single_prompt()
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else check_ids(list(prompt))
         params = req.sampling_params(req.max_tokens)
-        handle = await submit(ids, params)
-        text, rid, created = TextStream(tokenizer, params.stop), p.new_id("cmpl"), p.now()
-        if not req.stream:
-            reason = await _collect(handle, text, request)
-            if reason is None:
-                return Response(status_code=499)
-            use = p.usage(len(ids), handle.num_tokens)
-            return JSONResponse(p.completion_body(rid, created, model_name, text.final or "", reason, use))
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for delta, reason in _updates(handle, text):
-                    yield _sse(p.completion_chunk(rid, created, model_name, delta, reason, req.include_usage))
-                if req.include_usage:
-                    use = p.usage(len(ids), handle.num_tokens)
-                    yield _sse(p.usage_chunk(rid, created, model_name, "text_completion", use))
-            except APIError as e:
-                yield _sse(error_body(e.message, e.type, e.param, e.code))
-            yield _sse("[DONE]")
+        async def chunks(rid: str, created: int, handle: RequestHandle, text: TextStream) -> AsyncIterator[dict]:
+            async for delta, reason in _updates(handle, text):
+                yield p.completion_chunk(rid, created, model_name, delta, reason, req.include_usage)
 
-        return _AbortOnClose(events(), handle)
+        return await respond(req, request, ids, params, ("cmpl", "text_completion"), p.completion_body, chunks)
 
     @v1.post("/chat/completions", response_model=None)
     async def chat(req: p.ChatCompletionRequest, request: Request) -> Response:
@@ -224,32 +243,17 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig) -> FastAPI:
             raise bad_request(f"cannot render the chat template: {e}", "messages") from e
         ids = tokenizer.encode(prompt)
         params = req.sampling_params(req.resolved_max_tokens())
-        handle = await submit(ids, params)
-        text, rid, created = TextStream(tokenizer, params.stop), p.new_id("chatcmpl"), p.now()
-        if not req.stream:
-            reason = await _collect(handle, text, request)
-            if reason is None:
-                return Response(status_code=499)
-            use = p.usage(len(ids), handle.num_tokens)
-            return JSONResponse(p.chat_body(rid, created, model_name, text.final or "", reason, use))
 
-        async def events() -> AsyncIterator[str]:
+        async def chunks(rid: str, created: int, handle: RequestHandle, text: TextStream) -> AsyncIterator[dict]:
             with_usage = req.include_usage
-            yield _sse(p.chat_chunk(rid, created, model_name, {"role": "assistant", "content": ""}, None, with_usage))
-            try:
-                async for delta, reason in _updates(handle, text):
-                    if delta:
-                        yield _sse(p.chat_chunk(rid, created, model_name, {"content": delta}, None, with_usage))
-                    if reason is not None:
-                        yield _sse(p.chat_chunk(rid, created, model_name, {}, reason, with_usage))
-                if with_usage:
-                    use = p.usage(len(ids), handle.num_tokens)
-                    yield _sse(p.usage_chunk(rid, created, model_name, "chat.completion.chunk", use))
-            except APIError as e:
-                yield _sse(error_body(e.message, e.type, e.param, e.code))
-            yield _sse("[DONE]")
+            yield p.chat_chunk(rid, created, model_name, {"role": "assistant", "content": ""}, None, with_usage)
+            async for delta, reason in _updates(handle, text):
+                if delta:
+                    yield p.chat_chunk(rid, created, model_name, {"content": delta}, None, with_usage)
+                if reason is not None:
+                    yield p.chat_chunk(rid, created, model_name, {}, reason, with_usage)
 
-        return _AbortOnClose(events(), handle)
+        return await respond(req, request, ids, params, ("chatcmpl", "chat.completion.chunk"), p.chat_body, chunks)
 
     app.include_router(v1)
 
