@@ -1,7 +1,7 @@
 """AdaptivePolicy: the memory-feedback controller behind the scheduler's Policy protocol.
 
 Each step: the scheduler asks `limits()` (cached; rebuilt only when a cap or the KV ratio moves) and
-`fit_chunk` / `fit_decode` while packing (a few multiply-adds against thresholds precomputed once per
+`fit_decodes` / `fit_chunk` while packing (a few multiply-adds against thresholds precomputed once per
 step); the engine then reports the step's record to `observe()`, which feeds
 - the step-peak estimator (sampled records only; OOM steps as a lower bound),
 - the retained-memory estimator (what a step leaves allocated into the next one, e.g. logits an engine
@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from controller.admission import INF, is_empty, largest_chunk, predict
+from controller.admission import INF, decodes_that_fit, is_empty, largest_chunk, predict
 from controller.budget import MIB, BudgetTracker
 from controller.config import ControllerConfig
 from controller.estimator import PeakEstimator
@@ -122,19 +122,17 @@ class AdaptivePolicy:
             self.counters["deferrals"] += 1
         return c
 
-    def fit_decode(self, shape: StepShape, context: int) -> bool:
-        r = self._raw
+    def fit_decodes(self, shape: StepShape, contexts: list[int]) -> int:
         limit = self._t_decode if shape.prefill_tokens == 0 else self._t_prefill
-        if (r[0] + r[1] * shape.prefill_tokens + r[2] * shape.prefill_seqs + r[3] * (shape.decode_seqs + 1)
-                + r[4] * (shape.sum_context + context) + r[5] * shape.prefill_attn
-                + r[6] * (shape.sampled_seqs + 1)) <= limit:
-            return True
-        if is_empty(shape):
-            return True  # liveness
+        n = decodes_that_fit(self._raw, shape, contexts, limit)
+        if n == len(contexts):
+            return n
+        if n == 0 and is_empty(shape):
+            return 1  # liveness
         self._cut = True
-        self._step_defers += 1
-        self.counters["deferrals"] += 1
-        return False
+        self._step_defers += len(contexts) - n
+        self.counters["deferrals"] += len(contexts) - n
+        return n
 
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
         """Only certain failures: with the model trained, even the smallest last chunk of the prompt, or

@@ -3,9 +3,9 @@
 The check is `bound(pred(step + candidate)) <= scale * usable`, where bound() is the estimator's
 prediction plus its relative margin (q) and floor (f): pred + q * (pred + f) + f. Solving that for pred
 once per step (AdaptivePolicy._refresh) gives a threshold T = scale * usable / (1 + q) - f, so each fit
-call here is a handful of multiply-adds (the scheduler calls fit_decode once per running sequence,
-every step). The same functions serve the other two checks (pair, worst case) with their own summed
-coefficient vectors and thresholds.
+call here is a handful of multiply-adds (the scheduler asks once per step how many of its decode
+candidates fit, and once per prefill chunk). The same functions serve the other two checks (pair,
+worst case) with their own summed coefficient vectors and thresholds.
 
 The candidate's features follow engine/scheduler.py's StepShape accounting: a prefill chunk c of a
 sequence with k tokens already in KV adds c prefill tokens, one prefill sequence, k + c context,
@@ -48,8 +48,18 @@ def largest_chunk(r: list[float], shape: StepShape, context: int, chunk: int, li
     return max(0, min(chunk, int(c)))
 
 
-def decode_fits(r: list[float], shape: StepShape, context: int, limit: float) -> bool:
-    return predict(r, shape) + r[3] + r[4] * context + r[6] <= limit
+def decodes_that_fit(r: list[float], shape: StepShape, contexts: list[int], limit: float) -> int:
+    """How many of `contexts`, taken in order, fit as decodes beside `shape`. One check covers the
+    usual case where all fit; otherwise the prefix is walked."""
+    slack = limit - predict(r, shape)
+    per_seq, per_token = r[3] + r[6], r[4]
+    if per_seq * len(contexts) + per_token * sum(contexts) <= slack:
+        return len(contexts)
+    for k, context in enumerate(contexts):
+        slack -= per_seq + per_token * context
+        if slack < 0.0:
+            return k
+    return len(contexts)
 
 
 def is_empty(shape: StepShape) -> bool:

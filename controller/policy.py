@@ -23,8 +23,9 @@ class Policy(Protocol):
         sequence with `context` tokens already in KV. 0 defers it to a later step."""
         ...
 
-    def fit_decode(self, shape: StepShape, context: int) -> bool:
-        """Whether one more decode sequence of `context` tokens fits beside `shape`."""
+    def fit_decodes(self, shape: StepShape, contexts: list[int]) -> int:
+        """How many of these decode candidates (their contexts, in the scheduler's order) fit beside
+        `shape`. One call per step: a call per sequence would cost more than the rest of the decision."""
         ...
 
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
@@ -59,8 +60,8 @@ class StaticPolicy:
     def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
         return chunk
 
-    def fit_decode(self, shape: StepShape, context: int) -> bool:
-        return True
+    def fit_decodes(self, shape: StepShape, contexts: list[int]) -> int:
+        return len(contexts)
 
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
         return None

@@ -84,20 +84,24 @@ class Scheduler:
     def _schedule_decodes(self, lim: Limits, batch: ScheduledBatch) -> None:
         scheduled = {id(it.seq) for it in batch.items}
         long_in_batch = sum(it.seq.prompt_len >= lim.long_prompt_threshold for it in batch.items)
-        for seq in list(self.running):
+        # max_decode_seqs and the whole-step token budget (one token per decode).
+        room = min(lim.max_decode_seqs - batch.shape.decode_seqs, lim.max_batched_tokens - batch.shape.tokens)
+        candidates: list[Sequence] = []
+        for seq in self.running:
+            if len(candidates) >= room:
+                break
             if seq.status is not Status.RUNNING or not seq.is_decode or id(seq) in scheduled:
                 continue
-            # max_decode_seqs and the whole-step token budget (one token per decode).
-            if batch.shape.decode_seqs >= lim.max_decode_seqs or batch.shape.tokens >= lim.max_batched_tokens:
-                break
-            is_long = seq.prompt_len >= lim.long_prompt_threshold
-            if is_long and long_in_batch >= lim.max_long_per_batch:
-                continue
-            if not self.policy.fit_decode(batch.shape, seq.num_tokens):
-                break
-            if not self._grow_for_decode(seq, scheduled, batch):
-                continue  # seq itself was preempted
-            long_in_batch += is_long
+            if seq.prompt_len >= lim.long_prompt_threshold:
+                if long_in_batch >= lim.max_long_per_batch:
+                    continue
+                long_in_batch += 1
+            candidates.append(seq)
+        # the policy's memory check, once for the whole prefix
+        fit = self.policy.fit_decodes(batch.shape, [s.num_tokens for s in candidates])
+        for seq in candidates[:fit]:
+            if seq.status is not Status.RUNNING or not self._grow_for_decode(seq, scheduled, batch):
+                continue  # preempted to grow an earlier candidate, or for its own slot
             scheduled.add(id(seq))
             batch.add(ScheduledSeq(seq, seq.num_computed, 1, is_prefill=False))
 

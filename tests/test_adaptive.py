@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from controller.adaptive import AdaptivePolicy
+from controller.admission import decodes_that_fit
 from controller.config import ControllerConfig
 from controller.kv_reservation import KVReservation
 from controller.limits import Limits
@@ -105,11 +106,23 @@ def test_fit_chunk_respects_the_budget() -> None:
     assert st["chunks"] >= 2 and st["deferrals"] >= 1
 
 
+def test_decodes_that_fit_is_the_prefix_that_fits() -> None:
+    # 1 MiB base, 2 MiB per sequence (decode + sampled row), 0.01 MiB per context token
+    r = [1.0, 0.0, 0.0, 1.5, 0.01, 0.0, 0.5]
+    contexts = [100, 300, 100, 500]  # each adds 3, 5, 3, 7 MiB
+    assert decodes_that_fit(r, StepShape(), contexts, 1 + 18) == 4
+    assert decodes_that_fit(r, StepShape(), contexts, 1 + 11) == 3
+    assert decodes_that_fit(r, StepShape(), contexts, 1 + 10.9) == 2
+    assert decodes_that_fit(r, StepShape(), contexts, 0.5) == 0
+    assert decodes_that_fit(r, StepShape(decode_seqs=4, sum_context=400), contexts, 1 + 8 + 4 + 8) == 2
+    assert decodes_that_fit(r, StepShape(), [], 0.0) == 0
+
+
 def test_liveness_an_empty_step_always_makes_progress() -> None:
     pol = AdaptivePolicy()
     train(pol, per_token=50.0)  # everything looks enormous
     assert pol.fit_chunk(StepShape(), 0, 4096) == ControllerConfig().min_chunk
-    assert pol.fit_decode(StepShape(), 100000)
+    assert pol.fit_decodes(StepShape(), [100000, 100000]) == 1
     assert pol.fit_chunk(StepShape(), 0, 8) == 8
 
 

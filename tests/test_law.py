@@ -97,11 +97,10 @@ def closed_loop(steps: int = 1000, change_at: int = 500, seed: int = 0, decodes:
         scale = 2.0 if step > change_at else 1.0
         lim = pol.limits()
         shape = StepShape()
-        for _ in range(decodes):
-            if pol.fit_decode(shape, 2000):
-                shape.decode_seqs += 1
-                shape.sum_context += 2000
-                shape.sampled_seqs += 1
+        n = pol.fit_decodes(shape, [2000] * decodes)
+        shape.decode_seqs += n
+        shape.sum_context += 2000 * n
+        shape.sampled_seqs += n
         c = pol.fit_chunk(shape, context, min(8192, lim.max_prefill_tokens))
         if c:
             shape.prefill_tokens += c

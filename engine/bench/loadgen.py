@@ -83,7 +83,7 @@ class _Driver:
             and hasattr(type(self.backend), "decode_step")
             and issubclass(pol, StaticPolicy)
             and pol.observe is StaticPolicy.observe
-            and pol.fit_decode is StaticPolicy.fit_decode
+            and pol.fit_decodes is StaticPolicy.fit_decodes
             and pol.limits is StaticPolicy.limits
         )
         self.t0 = self.backend.now()
