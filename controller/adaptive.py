@@ -102,11 +102,7 @@ class AdaptivePolicy:
         return self._limits
 
     def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
-        c = largest_chunk(self._raw, shape, context, chunk, self._t_prefill)
-        if c:
-            c = largest_chunk(self._raw_pair, shape, context, c, self._t_pair)
-        if c:
-            c = largest_chunk(self._raw_worst, shape, context, c, self._t_worst)
+        c = self._largest_chunk(shape, context, chunk)
         if c >= chunk:
             return chunk
         if is_empty(shape):
@@ -133,6 +129,20 @@ class AdaptivePolicy:
         self._step_defers += len(contexts) - n
         self.counters["deferrals"] += len(contexts) - n
         return n
+
+    def _largest_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
+        """The three checks of _refresh, without counting anything."""
+        c = largest_chunk(self._raw, shape, context, chunk, self._t_prefill)
+        if c:
+            c = largest_chunk(self._raw_pair, shape, context, c, self._t_pair)
+        if c:
+            c = largest_chunk(self._raw_worst, shape, context, c, self._t_worst)
+        return c
+
+    def effective_prefill_tokens(self) -> int:
+        """The prefill limit that binds now: the prompt tokens the next step could take when it carries
+        nothing else (fresh prompts), the smaller of the cap and what memory admits."""
+        return self._largest_chunk(StepShape(), 0, self.law.prefill_cap)
 
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
         """Only certain failures: with the model trained, even the smallest last chunk of the prompt, or
@@ -181,6 +191,7 @@ class AdaptivePolicy:
                 "policy": self.name,
                 "step": self._step,
                 "limits": self._limits.as_dict(),
+                "effective_prefill_tokens": self.effective_prefill_tokens(),
                 "budget": {**b.as_dict(), "scale": self.law.scale,
                            "effective": int(self.law.scale * b.usable)},
                 "estimator": {

@@ -166,18 +166,18 @@ class Scheduler:
             chunk = min(remaining, budget)
             if chunk < remaining and not lim.chunked_prefill:
                 break
+            # KV admission: a new sequence must fit beside every running one's outstanding reservation.
+            # Checked before the memory fit, so the policy never counts a chunk that KV then blocks.
+            need = self._reserved_blocks(seq, lim.kv_reserve_ratio) if admitting else 0
+            if admitting and need > self.allocator.num_free - outstanding:
+                batch.kv_blocked = True
+                break
             if chunk > 0:
                 chunk = self.policy.fit_chunk(batch.shape, seq.num_computed, chunk)
             if chunk <= 0:
                 batch.deferred += 1
                 break
-            # KV admission: a new sequence must fit beside every running one's outstanding reservation.
-            if admitting:
-                need = self._reserved_blocks(seq, lim.kv_reserve_ratio)
-                if need > self.allocator.num_free - outstanding:
-                    batch.kv_blocked = True
-                    break
-                outstanding += need
+            outstanding += need
             grow = self.allocator.blocks_for(seq.num_computed + chunk) - len(seq.block_table)
             if grow > self.allocator.num_free:
                 batch.kv_blocked = True

@@ -94,8 +94,10 @@ def test_fit_chunk_respects_the_budget() -> None:
     train(pol, per_token=0.5, steps=200)
     pol.law.prefill_cap = 16384
     usable = pol.budget.budget.usable_mib
+    assert pol.effective_prefill_tokens() == pol.state()["effective_prefill_tokens"]
+    assert pol.state()["counters"]["chunks"] == 0  # asking what fits counts nothing
     c = pol.fit_chunk(StepShape(), 0, 16384)
-    assert 0 < c < 16384
+    assert 0 < c < 16384 and c == pol.effective_prefill_tokens()
     predicted = 10 + 0.5 * c
     assert 0.8 * usable < predicted <= usable
     # beside a packed step, less fits; a nearly full step defers
