@@ -65,10 +65,10 @@ class ControllerConfig:
     max_num_seqs: int = _gain(256, "sequences", 1, 1 << 16, "admitted (running) sequences")
     min_chunk: int = _gain(32, "tokens", 1, 1 << 20, "smallest prefill chunk worth a step")
     # --- KV reservation (SGLang new_token_ratio rule as the baseline) ---------------------------------
-    kv_ratio_init: float = _gain(0.7, "fraction of max_tokens", 0.0, 1.0, "reservation ratio at start")
-    kv_ratio_floor: float = _gain(0.1, "fraction of max_tokens", 0.0, 1.0, "lowest reservation ratio")
-    kv_ratio_decay_steps: int = _gain(600, "decode steps", 1, 1 << 24, "init -> floor decay time")
-    kv_ratio_jump: float = _gain(0.2, "fraction of max_tokens", 0.0, 1.0, "ratio rise on preemption")
+    kv_ratio_init: float = _gain(0.0, "fraction of max_tokens", 0.0, 1.0, "reservation ratio at start")
+    kv_ratio_floor: float = _gain(0.0, "fraction of max_tokens", 0.0, 1.0, "lowest reservation ratio")
+    kv_ratio_decay_steps: int = _gain(600, "decode steps", 1, 1 << 24, "time to decay by 1.0")
+    kv_ratio_jump: float = _gain(0.0, "fraction of max_tokens", 0.0, 1.0, "ratio rise on preemption")
     kv_churn_max: float = _gain(50.0, "preemptions per 1000 steps", 0.0, 1e6, "tolerated churn")
     kv_floor_step: float = _gain(0.05, "fraction of max_tokens", 0.0, 1.0, "floor rise when churn is over")
 

@@ -1,10 +1,12 @@
 """KV reservation ratio: the share of each request's not-yet-generated max_tokens reserved at admission.
 
-Baseline is SGLang's new_token_ratio: start at 0.7, decay linearly per decode step to a floor, jump up
-when decode runs out of KV and sequences are preempted. Why not reserve everything (ratio 1, like the
-seed and TGI): running requests are at different points of their output, so the pool holds far more of
-them than their worst cases add up to; a low ratio admits them, and the rare preemption (recompute) is
-the price. Two additions:
+The rule is SGLang's new_token_ratio: start at `kv_ratio_init`, decay linearly per decode step to a
+floor, jump up when decode runs out of KV and sequences are preempted. Why not reserve everything (ratio
+1, like the seed and TGI): running requests are at different points of their output, so the pool holds
+far more of them than their worst cases add up to; a low ratio admits them, and preemption (recompute)
+is the price. The defaults start at vLLM's prompt-only reservation (ratio 0, no jump): on the twin's
+matrix recompute is cheap next to the decode steps a fuller batch wins, and SGLang's 0.7/0.1/0.2 lost
+throughput at every KV-bound point but one. Two additions:
 - churn cap: preemptions are counted in an exponentially weighted rate (per 1000 steps); while the rate
   exceeds `kv_churn_max` the floor itself rises by `kv_floor_step` per preemption step, so a workload
   whose requests do all grow to max_tokens stops thrashing; the floor relaxes back slowly once clean.
@@ -37,8 +39,7 @@ class KVReservation:
 
     @property
     def decay(self) -> float:
-        c = self.cfg
-        return (c.kv_ratio_init - c.kv_ratio_floor) / c.kv_ratio_decay_steps
+        return 1.0 / self.cfg.kv_ratio_decay_steps
 
     def observe(self, preempted: int, decode_seqs: int) -> str | None:
         """One step: decay on decode steps, jump on preemption. Returns a reason when the ratio jumped."""

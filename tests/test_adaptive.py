@@ -145,7 +145,8 @@ def test_reject_reason_only_for_certain_failures() -> None:
 
 
 def test_kv_reservation_rule() -> None:
-    cfg = ControllerConfig().replace({"kv_churn_max": 4.0, "kv_floor_step": 0.1})
+    cfg = ControllerConfig().replace({"kv_ratio_init": 0.7, "kv_ratio_floor": 0.1, "kv_ratio_jump": 0.2,
+                                      "kv_ratio_decay_steps": 600, "kv_churn_max": 4.0, "kv_floor_step": 0.1})
     kv = KVReservation(cfg)
     assert kv.ratio == cfg.kv_ratio_init
     for _ in range(cfg.kv_ratio_decay_steps + 10):
@@ -175,9 +176,12 @@ def test_preemptions_reach_the_limits() -> None:
     for k in range(700):
         pol.observe(record(step + k, StepShape(decode_seqs=4, sum_context=4000, sampled_seqs=4), 3.0))
     low = pol.limits().kv_reserve_ratio
-    pol.observe(record(step + 700, StepShape(decode_seqs=4, sum_context=4000, sampled_seqs=4), 3.0, preempted=3))
+    # thrashing: 3 preemptions on every step drives the churn past kv_churn_max and the floor up
+    for k in range(40):
+        pol.observe(record(step + 700 + k, StepShape(decode_seqs=4, sum_context=4000, sampled_seqs=4), 3.0,
+                           preempted=3))
     assert pol.limits().kv_reserve_ratio > low
-    assert pol.state()["counters"]["preemptions"] == 3
+    assert pol.state()["counters"]["preemptions"] == 120
 
 
 def test_decisions_keep_the_last_50() -> None:

@@ -167,3 +167,13 @@ def test_unrecovered_oom_kills_the_engine_like_the_seed():
     assert engine.allocator.num_used == 0
     with pytest.raises(EngineDeadError):
         engine.add_request("late", PROMPTS[0], SamplingParams())
+
+
+def test_finished_requests_teach_the_adaptive_kv_reservation():
+    from controller.adaptive import AdaptivePolicy
+
+    policy = AdaptivePolicy()
+    engine = LLMEngine(FakeBackend(), policy)
+    assert run(engine, PROMPTS, max_tokens=6) == [out[:6] for out in alone(PROMPTS)]
+    kv = policy.state()["kv_reservation"]
+    assert policy.kv.finished == len(PROMPTS) and kv["used_share"] == 1.0  # every request ran to max_tokens

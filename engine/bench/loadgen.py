@@ -55,6 +55,7 @@ class RunResult:
     ooms: int = 0
     unhealthy: bool = False
     steps: int = 0
+    preemptions: int = 0
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -224,4 +225,5 @@ def _result(d: _Driver, num_requests: int) -> RunResult:
         ooms=e.ooms,
         unhealthy=not e.healthy,
         steps=e.step_id,
+        preemptions=e.scheduler.num_preemptions,
     )

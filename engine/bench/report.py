@@ -50,6 +50,7 @@ def metrics(run: RunResult, **point: object) -> dict[str, object]:
         ooms=run.ooms,
         duration=dur,
         steps=run.steps,
+        preemptions=run.preemptions,
         total_input_tokens=in_tokens,
         total_output_tokens=out_tokens,
         request_throughput=len(ok) / dur if dur > 0 else 0.0,
