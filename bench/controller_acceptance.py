@@ -40,8 +40,8 @@ def point_table(ad: dict[Key, dict], sd: dict[Key, dict]) -> list[str]:
     lines = [
         "| con | in | out | adaptive tok/s | seed tok/s | ratio | adaptive TTFT mean / p99 ms "
         "| seed TTFT mean / p99 ms | adaptive E2EL mean / p99 s | seed E2EL mean / p99 s "
-        "| adaptive failed / OOMs | seed failed / OOMs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| adaptive failed / OOMs | seed failed / OOMs | adaptive preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, a in ad.items():
         s = sd[k]
@@ -51,7 +51,7 @@ def point_table(ad: dict[Key, dict], sd: dict[Key, dict]) -> list[str]:
             f"{a['mean_ttft_ms']:.0f} / {a['p99_ttft_ms']:.0f} | {s['mean_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
             f"{a['mean_e2el_ms'] / 1e3:.1f} / {a['p99_e2el_ms'] / 1e3:.1f} | "
             f"{s['mean_e2el_ms'] / 1e3:.1f} / {s['p99_e2el_ms'] / 1e3:.1f} | "
-            f"{a['failed']} / {a['ooms']} | {s['failed']} / {s['ooms']} |"
+            f"{a['failed']} / {a['ooms']} | {s['failed']} / {s['ooms']} | {a['preemptions']} |"
         )
     return lines
 

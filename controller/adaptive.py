@@ -144,6 +144,11 @@ class AdaptivePolicy:
         nothing else (fresh prompts), the smaller of the cap and what memory admits."""
         return self._largest_chunk(StepShape(), 0, self.law.prefill_cap)
 
+    def memory_decode_seqs(self, context: int) -> int:
+        """Decodes of `context` tokens that memory alone admits into an empty step (up to the
+        max_decode_seqs ceiling; the trust-region cap is not applied)."""
+        return decodes_that_fit(self._raw, StepShape(), [context] * self.cfg.max_decode_seqs, self._t_decode)
+
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
         """Only certain failures: with the model trained, even the smallest last chunk of the prompt, or
         the final decode of prompt + max_tokens, alone on a step, is predicted (without margin) to need

@@ -163,14 +163,18 @@ class Scheduler:
                 lim.max_prefill_tokens - batch.shape.prefill_tokens,
                 lim.max_batched_tokens - batch.shape.tokens,
             )
-            chunk = min(remaining, budget)
-            if chunk < remaining and not lim.chunked_prefill:
-                break
             # KV admission: a new sequence must fit beside every running one's outstanding reservation.
-            # Checked before the memory fit, so the policy never counts a chunk that KV then blocks.
             need = self._reserved_blocks(seq, lim.kv_reserve_ratio) if admitting else 0
             if admitting and need > self.allocator.num_free - outstanding:
                 batch.kv_blocked = True
+                break
+            # KV room: the chunk is cut to the tokens its last block and the free blocks hold. Both KV
+            # checks come before the memory fit, so the policy only ever counts chunks that run.
+            kv_room = (len(seq.block_table) + self.allocator.num_free) * self.allocator.block_size - seq.num_computed
+            chunk = min(remaining, budget, kv_room)
+            if kv_room < budget and kv_room < remaining:
+                batch.kv_blocked = True
+            if (chunk < remaining and not lim.chunked_prefill) or kv_room <= 0:
                 break
             if chunk > 0:
                 chunk = self.policy.fit_chunk(batch.shape, seq.num_computed, chunk)
@@ -179,9 +183,6 @@ class Scheduler:
                 break
             outstanding += need
             grow = self.allocator.blocks_for(seq.num_computed + chunk) - len(seq.block_table)
-            if grow > self.allocator.num_free:
-                batch.kv_blocked = True
-                break
             if grow > 0:
                 seq.block_table.extend(self.allocator.allocate(grow))
                 outstanding -= grow

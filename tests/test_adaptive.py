@@ -98,6 +98,8 @@ def test_fit_chunk_respects_the_budget() -> None:
     assert pol.state()["counters"]["chunks"] == 0  # asking what fits counts nothing
     c = pol.fit_chunk(StepShape(), 0, 16384)
     assert 0 < c < 16384 and c == pol.effective_prefill_tokens()
+    assert pol.memory_decode_seqs(100) == pol.cfg.max_decode_seqs  # 0.5 MiB a decode: the ceiling binds
+    assert pol.memory_decode_seqs(100) >= pol.memory_decode_seqs(10**9) == 0
     predicted = 10 + 0.5 * c
     assert 0.8 * usable < predicted <= usable
     # beside a packed step, less fits; a nearly full step defers
