@@ -157,7 +157,7 @@ def analyse(rows: list[dict], shifts: list[int]) -> dict:
                          "min": min(vals), "max": max(vals)}
         phases.append({"first_step": seg[0]["step"], "steps": len(seg), "signals": sig})
     burst = rows[shifts[0]:shifts[1]]
-    settled = max(phases[1]["signals"][n]["settle_steps"] for n in SIGNALS)
+    settled = max(phases[1]["signals"][n]["settle_steps"] for n in MEMORY_SIGNALS)
     high = [r for r in burst[settled:] if r["cut"] and r["peak_mib"] is not None and 0 < r["room_mib"] < float("inf")]
     ratios = {
         "reserved / room": [r["reserved_mib"] / r["room_mib"] for r in high],

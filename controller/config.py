@@ -31,7 +31,7 @@ class ControllerConfig:
 
     # --- budget: usable = capacity - idle - headroom, headroom = max(frac * capacity, min) ---------
     headroom_frac: float = _gain(0.03, "fraction of capacity", 0.0, 0.5, "setpoint headroom share")
-    headroom_min_mib: float = _gain(256.0, "MiB", 0.0, 65536.0, "setpoint headroom floor")
+    headroom_min_mib: float = _gain(128.0, "MiB", 0.0, 65536.0, "setpoint headroom floor")
     use_device_used: bool = _gain(True, "bool", 0, 1, "tighten capacity by memory outside the allocator")
     # --- estimator ----------------------------------------------------------------------------------
     forgetting: float = _gain(0.995, "per sampled step", 0.9, 1.0, "RLS forgetting factor")
