@@ -17,6 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report_io import write_report  # noqa: E402
+
 BLOCKS = (64, 80, 96)
 POLICIES = ("adaptive", "seed-static")
 Key = tuple[int, int, int]
@@ -115,9 +119,7 @@ def main() -> None:
     ]
     for b in BLOCKS:
         lines += ["", f"## {b} KV blocks", "", *point_table(runs["adaptive", b], runs["seed-static", b])]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.write_text(text)
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

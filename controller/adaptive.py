@@ -10,7 +10,7 @@ step); the engine then reports the step's record to `observe()`, which feeds
 - the control law (budget scale and caps) and the KV reservation ratio,
 and precomputes the next step's thresholds (see _refresh for the three checks on a prefill chunk).
 `state()` is GET /controller/state; `update_config()` patches gains atomically at run time.
-Optional hook beyond the Policy protocol: `observe_finished(output_len, max_tokens, reason)`.
+`observe_finished()` hands each finished request's output length to the KV reservation.
 """
 
 from __future__ import annotations
@@ -181,8 +181,7 @@ class AdaptivePolicy:
         with self._lock:
             self._observe(record)
 
-    # --- optional hooks (engine calls them when present) ----------------------------------------------
-    def observe_finished(self, output_len: int, max_tokens: int, reason: str | None = "length") -> None:
+    def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
         """A request finished; its output length teaches the KV reservation (aborts and errors do not)."""
         if reason in ("stop", "length"):
             with self._lock:

@@ -32,6 +32,11 @@ class Policy(Protocol):
         """Why a request can never be served (checked at arrival), or None."""
         ...
 
+    def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
+        """A request left the engine after `output_len` of its `max_tokens` ("stop", "length", "abort",
+        "error"): real output lengths can teach the KV reservation."""
+        ...
+
     def observe(self, record: StepRecord) -> None:
         """Feed back what the step really used; called after every step, OOM steps included."""
         ...
@@ -67,6 +72,9 @@ class StaticPolicy:
         return None
 
     def observe(self, record: StepRecord) -> None:
+        return None
+
+    def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
         return None
 
     def state(self) -> dict:

@@ -60,10 +60,6 @@ class LLMEngine:
         self.ooms_recovered = 0
         self.step_listeners: list[Callable[[StepRecord, ScheduledBatch], None]] = []
         self.finish_listeners: list[Callable[[Sequence], None]] = []
-        if hasattr(policy, "observe_finished"):  # output lengths teach the KV reservation (optional hook)
-            self.finish_listeners.append(
-                lambda seq: policy.observe_finished(len(seq.output_ids), seq.max_tokens, seq.finish_reason)
-            )
 
     @property
     def max_model_len(self) -> int:
@@ -199,6 +195,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         del self.requests[seq.request_id]
+        self.policy.observe_finished(len(seq.output_ids), seq.max_tokens, reason)
         for listener in self.finish_listeners:
             listener(seq)
 
