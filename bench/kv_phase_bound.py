@@ -37,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report_io import write_report  # noqa: E402
+from report_io import write_report  # noqa: E402
+
 from engine.twin.latency import LatencyModel  # noqa: E402
 from engine.twin.profile import DEFAULT_PROFILE, load_profile  # noqa: E402
 
