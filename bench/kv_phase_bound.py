@@ -30,13 +30,14 @@ blocks last. The rule families below, then a seeded random and local search over
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from controller_acceptance import load  # noqa: E402
 from report_io import write_report  # noqa: E402
 
 from engine.twin.latency import LatencyModel  # noqa: E402
@@ -45,9 +46,14 @@ from engine.twin.profile import DEFAULT_PROFILE, load_profile  # noqa: E402
 CLIENTS, REQUESTS, PROMPT, OUTPUT, POOL, BLOCK = 16, 80, 256, 1024, 64, 256
 BLOCKS = [-(-(PROMPT + o) // BLOCK) for o in range(OUTPUT)]  # blocks held after o steps of a request
 ROUNDS = REQUESTS // CLIENTS
-LOWER_LAG = -(-4 * ROUNDS * (BLOCK - 1) // (4 * ROUNDS + CLIENTS))  # L >= 4 R 255 / (4 R + 16)
+# The proof's numbers, from the model: the steps of a request's last quarter (255), the requests that
+# must wait while all are in it (16 - 64 // 5 = 4), then L >= R * waits * last / (R * waits + clients).
+LAST_QUARTER = BLOCKS.count(BLOCKS[-1])
+WAITS = CLIENTS - POOL // BLOCKS[-1]
+LOWER_LAG = -(-ROUNDS * WAITS * LAST_QUARTER // (ROUNDS * WAITS + CLIENTS))
 LOWER_STEPS = ROUNDS * OUTPUT + LOWER_LAG
-MATRIX = Path("bench/results/matrix")
+MATRIX = ROOT / "bench/results/matrix"
+POINT = (CLIENTS, PROMPT, OUTPUT)
 
 
 def steps_with(weights: list[float], cap: int = 8000) -> tuple[int, int]:
@@ -106,8 +112,7 @@ def search(seed: int, samples: int) -> tuple[int, int, list[float]]:
 
 
 def twin_point(policy: str, blocks: int) -> dict:
-    data = json.loads((MATRIX / f"{policy}_{blocks}.json").read_text())
-    return next(p for p in data["points"] if (p["concurrency"], p["input_len"], p["output_len"]) == (16, 256, 1024))
+    return load(MATRIX / f"{policy}_{blocks}.json")[1][POINT]
 
 
 def main() -> None:
