@@ -10,15 +10,27 @@ separates what the pool forbids from what the controller misses, in a phase mode
 - a request that waits holds no blocks and keeps its progress (recompute is free here; on the twin it
   costs a long prefill), so the model's step counts are optimistic for the engine.
 
-Lower bound, for any schedule. Progress P_i(s) is the steps client i has run by step s, and its lag is
-s - 1 - P_i(s) before step s, which grows by one every step the client waits. A client with k requests
-finishes no earlier than 1024 k plus its final lag. If a client sends other than 5 of the 80 requests,
-another sends at least 6, so S >= 6144. Otherwise S >= 5120 + L, with L the largest final lag. Every lag
-is at most L, so at the steps s from 1024 (r - 1) + 770 + L to 1024 r every client has done between 769
-and 1023 steps of its request r: its last quarter, where it needs 5 blocks. At most 12 run there
-(13 x 5 > 64), so at least 4 wait at each of these 255 - L steps. Over the 5 rounds that is at least
-4 x 5 x (255 - L) waiting steps, and all lags together are at most 16 L. So 36 L >= 5100, L >= 142 and
-S >= 5262.
+Lower bound, for any schedule. Progress P_i(s) is the steps client i has run before step s, and its lag
+s - 1 - P_i(s) grows by one every step the client waits, never shrinks. A client with k requests finishes
+no earlier than 1024 k plus its final lag. If a client sends other than 5 of the 80 requests, another sends
+at least 6, so S >= 6144. Otherwise S >= 5120 + L, with L the largest final lag, and all waiting steps
+together are at most 16 L. Take L <= 255 (else S >= 5376). In round r, at x = s - 1 - 1024 (r - 1), a
+client with lag l is at step x - l of its request r, or x - l - 1024 of request r + 1. Three windows:
+- middle, x from 769 + L to 1023 (255 - L steps): every client is in its last quarter (5 blocks). At most
+  12 fit, so at least 4 wait.
+- early, x = 769 + v for v < L: the k clients with lag <= v are in the last quarter, the others in the
+  third (4 blocks), so at least ceil(k / 5) wait;
+- late, x = 1024 + v: the k' clients with lag <= v have started request r + 1 (2 blocks, 1 on its
+  first step), the others are still in the last quarter. Lags only grow, so k' <= k of the early step with
+  the same v, and fewer clients ahead means more wait: at least as many as with k ahead. Together the
+  two steps of each v force at least min over k of (waits with k of 16 in the last quarter, the rest in
+  the third) + (waits with k at 2 blocks, the rest in the last quarter) = 2 waits. A client runs the
+  1-block first step of request r + 1 once, and each such step lowers that count by at most one wait
+  (the running set without it fits with 2 blocks too), so by at most 16 a round. In round 5 a finished
+  client holds nothing, and the minimum is 1.
+All waits add up to at least 5 x 4 x (255 - L) + 4 x (2 L - 16) + L = 5036 - 11 L <= 16 L, so L >= 187
+and S >= 5307. `lower_bound` computes the same argument from the block model; the report checks it
+against the exact optimum of small instances (breadth-first search over all schedules).
 
 Search, for an upper bound: each step the scheduler runs the requests in order of a priority (a linear
 rule over progress, whether it ran last step, client id, requests done and blocks needed) while the
@@ -32,6 +44,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from itertools import product
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,14 +57,70 @@ from engine.twin.latency import LatencyModel  # noqa: E402
 from engine.twin.profile import DEFAULT_PROFILE, load_profile  # noqa: E402
 
 CLIENTS, REQUESTS, PROMPT, OUTPUT, POOL, BLOCK = 16, 80, 256, 1024, 64, 256
-BLOCKS = [-(-(PROMPT + o) // BLOCK) for o in range(OUTPUT)]  # blocks held after o steps of a request
 ROUNDS = REQUESTS // CLIENTS
-# The proof's numbers, from the model: the steps of a request's last quarter (255), the requests that
-# must wait while all are in it (16 - 64 // 5 = 4), then L >= R * waits * last / (R * waits + clients).
-LAST_QUARTER = BLOCKS.count(BLOCKS[-1])
-WAITS = CLIENTS - POOL // BLOCKS[-1]
-LOWER_LAG = -(-ROUNDS * WAITS * LAST_QUARTER // (ROUNDS * WAITS + CLIENTS))
-LOWER_STEPS = ROUNDS * OUTPUT + LOWER_LAG
+# Small instances (clients, pool, block, rounds; prompt one block, output four) for checking the bound
+# against the exact optimum: in each, some requests wait in the last segment and the early/late pair
+# forces a wait, and each searches in about a second.
+SMALL = [(3, 12, 3, 3), (3, 12, 4, 2), (3, 12, 6, 2), (4, 16, 3, 2)]
+
+
+def blocks_held(prompt: int, output: int, block: int) -> list[int]:
+    """Blocks a request holds after o steps, for o < output."""
+    return [-(-(prompt + o) // block) for o in range(output)]
+
+
+BLOCKS = blocks_held(PROMPT, OUTPUT, BLOCK)
+
+
+def fewest_waits(demands: list[int], pool: int) -> int:
+    """The fewest requests that must wait so that the others fit (the biggest ones wait)."""
+    used = 0
+    for i, d in enumerate(sorted(demands)):
+        used += d
+        if used > pool:
+            return len(demands) - i
+    return 0
+
+
+def lower_bound(clients: int, rounds: int, blocks: list[int], pool: int) -> int:
+    """The docstring's proof for any block model: the fewest steps any schedule can take."""
+    out, top = len(blocks), blocks[-1]
+    last = blocks.count(top)  # steps of the last segment
+    before = blocks[-last - 1]  # blocks in the segment before it, which lasts `third` steps
+    third = blocks.count(before)
+    middle = fewest_waits([top] * clients, pool)
+    early = [fewest_waits([top] * k + [before] * (clients - k), pool) for k in range(clients + 1)]
+    pair = min(e + fewest_waits([top] * (clients - k) + [blocks[1]] * k, pool) for k, e in enumerate(early))
+    final = min(e + fewest_waits([top] * (clients - k), pool) for k, e in enumerate(early))
+    for lag in range(min(last, third) + 1):
+        waits = rounds * middle * (last - lag) + (rounds - 1) * max(0, pair * lag - clients) + final * lag
+        if clients * lag >= waits:
+            return rounds * out + lag
+    return rounds * out + min(last, third) + 1
+
+
+def exact_steps(clients: int, rounds: int, blocks: list[int], pool: int) -> int:
+    """The fewest steps over all schedules, by breadth-first search over the clients' progress (small
+    instances only: the search tries every subset of clients at every state)."""
+    out, total = len(blocks), rounds * len(blocks)
+    frontier, seen, steps = {(0,) * clients}, set(), 0
+    while frontier:
+        steps += 1
+        following = set()
+        for state in frontier:
+            for run in product((0, 1), repeat=clients):
+                if any(r and p == total for p, r in zip(state, run, strict=True)):
+                    continue
+                if sum(blocks[p % out] for p, r in zip(state, run, strict=True) if r) > pool:
+                    continue
+                new = tuple(sorted(p + r for p, r in zip(state, run, strict=True)))
+                if new[0] == total:
+                    return steps
+                if new not in seen:
+                    seen.add(new)
+                    following.add(new)
+        frontier = following
+    raise ValueError("no schedule finishes: a request does not fit the pool alone")
 MATRIX = ROOT / "bench/results/matrix"
 POINT = (CLIENTS, PROMPT, OUTPUT)
 
@@ -121,6 +190,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
+    lower = lower_bound(CLIENTS, ROUNDS, BLOCKS, POOL)
     lines = [
         "# Steps (16, 256, 1024) needs with 64 KV blocks of 256 tokens",
         "",
@@ -133,7 +203,7 @@ def main() -> None:
         "| schedule | steps | preemptions |",
         "|---|---|---|",
         f"| no KV limit: every client runs every step | {ROUNDS * OUTPUT} | 0 |",
-        f"| lower bound for 64 blocks (proof) | {LOWER_STEPS} | |",
+        f"| lower bound for 64 blocks (proof) | {lower} | |",
     ]
     found = []
     for name, w in FAMILIES.items():
@@ -157,13 +227,27 @@ def main() -> None:
         f"{tokens} output tokens in at most {tokens / target:.1f} s;",
         f"- adaptive at 80 blocks, where the pool never binds: {a80['steps']} steps, {a80['duration']:.1f} s, "
         f"{a80['output_throughput']:.1f} tok/s;",
-        f"- every step more costs at least a batch-1 decode step, {step * 1e3:.1f} ms, so 1.3x leaves room for "
-        f"about {allowed:.0f} steps;",
-        f"- the lower bound is {LOWER_STEPS} steps and the best schedule found needs {min(found)};",
+        f"- if the rest of the work costs what it did in that run, every step more adds at least a batch-1 "
+        f"decode step, {step * 1e3:.1f} ms, so 1.3x leaves room for about {allowed:.0f} steps. This part is an "
+        "estimate, not a proof: the rest of the work is not fixed (batched prefills, for one, cost less per "
+        "prompt on the twin);",
+        f"- the lower bound is {lower} steps and the best schedule found needs {min(found)};",
         f"- adaptive at 64 blocks: {a64['steps']} steps, {a64['duration']:.1f} s, "
         f"{a64['output_throughput']:.1f} tok/s ({a64['output_throughput'] / seed['output_throughput']:.3f}x), "
         f"{a64['preemptions']} preemptions.",
     ]
+    lines += [
+        "",
+        "The bound against the exact optimum of small instances (the same block model with prompt one block "
+        "and output four; `exact_steps` searches every schedule):",
+        "",
+        "| clients | pool | block | rounds | lower bound | exact |",
+        "|---|---|---|---|---|---|",
+    ]
+    for clients, pool, block, rounds in SMALL:
+        blocks = blocks_held(block, 4 * block, block)
+        lines.append(f"| {clients} | {pool} | {block} | {rounds} | {lower_bound(clients, rounds, blocks, pool)} | "
+                     f"{exact_steps(clients, rounds, blocks, pool)} |")
     write_report(a.out, lines)
 
 
