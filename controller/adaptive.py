@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from operator import add
 from typing import Any
 
 from controller.admission import INF, decodes_that_fit, is_empty, largest_chunk, predict
@@ -58,6 +59,7 @@ class AdaptivePolicy:
             "estimator_resets": 0,
         }
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self._pack: tuple[dict[str, Any], tuple[int, int, float, float, float]] | None = None  # see _log_pack
         self._raw = self.estimator.raw  # live list, updated in place by the estimator
         self._t_prefill = INF
         self._t_decode = INF
@@ -67,7 +69,8 @@ class AdaptivePolicy:
         self._t_pair = INF
         self._raw_worst = [0.0] * len(self._raw)
         self._t_worst = INF
-        self._versions = (-1, -1)
+        self._versions = (-1, -1)  # estimator versions when the summed vectors were last marked stale
+        self._summed_stale = False  # _raw_pair / _raw_worst lag the estimators (see _sum_coefficients)
         self._last_retries: int | None = None
         self._step = 0
         # what admission did on the step being packed; consumed by observe()
@@ -134,10 +137,21 @@ class AdaptivePolicy:
         """The three checks of _refresh, without counting anything."""
         c = largest_chunk(self._raw, shape, context, chunk, self._t_prefill)
         if c:
+            if self._summed_stale:
+                self._sum_coefficients()
             c = largest_chunk(self._raw_pair, shape, context, c, self._t_pair)
         if c:
             c = largest_chunk(self._raw_worst, shape, context, c, self._t_worst)
         return c
+
+    def _sum_coefficients(self) -> None:
+        """Rebuild the pair and worst-case coefficient vectors (peak + retained, peak + 2 x retained) after
+        either estimator learnt. Only prefill chunk checks read them, so this runs on the first such check
+        rather than in every learning step's _refresh: decode-only steps never pay for it."""
+        self._summed_stale = False
+        raw, rr = self._raw, self.retained.raw
+        self._raw_pair = list(map(add, raw, rr))
+        self._raw_worst = list(map(add, raw, map(add, rr, rr)))  # r + r == 2.0 * r, exactly
 
     def effective_prefill_tokens(self) -> int:
         """The prefill limit that binds now: the prompt tokens the next step could take when it carries
@@ -189,6 +203,7 @@ class AdaptivePolicy:
 
     def state(self) -> dict[str, Any]:
         with self._lock:
+            self._format_pack()
             b = self.budget.budget
             est = self.estimator
             return {
@@ -288,9 +303,7 @@ class AdaptivePolicy:
         if why:
             self._log("kv_ratio", why)
         if self._step_chunks or self._step_defers:
-            self._log("pack", f"{self._step_chunks} chunked, {self._step_defers} deferred: predicted "
-                      f"{self._last_pred:.0f} MiB vs threshold {self._t_prefill:.0f} MiB "
-                      f"(scale {law.scale:.2f})", quiet=True)
+            self._log_pack((self._step_chunks, self._step_defers, self._last_pred, self._t_prefill, law.scale))
             self._step_chunks = self._step_defers = 0
         self._cut = False
         self._refresh()
@@ -312,8 +325,13 @@ class AdaptivePolicy:
         b = self.budget.budget
         est = self.estimator
         ret = self.retained
-        key = (b, self.law.scale, est.version, ret.version, est.windows[True].value, est.windows[False].value,
-               ret.windows[True].value)
+        versions = (est.version, ret.version)
+        if versions != self._versions:  # an estimator learnt: the summed coefficient vectors are stale
+            self._versions = versions
+            self._summed_stale = True
+        # The thresholds depend on the budget, the scale and the margins, not on the coefficients: a
+        # learning step whose margins did not move keeps them.
+        key = (b, self.law.scale, est.windows[True].value, est.windows[False].value, ret.windows[True].value)
         if key == self._refresh_key:
             return
         self._refresh_key = key
@@ -330,14 +348,9 @@ class AdaptivePolicy:
             self._t_pair = (usable + scale * retained) / q - 2.0 * floor
             worst = b.free_mib + retained - self.budget.headroom_min / MIB
             self._t_worst = scale * worst / q - 3.0 * floor
-            versions = (est.version, self.retained.version)
-            if versions != self._versions:
-                self._versions = versions
-                rr = self.retained.raw
-                self._raw_pair[:] = [a + r for a, r in zip(self._raw, rr, strict=True)]
-                self._raw_worst[:] = [a + 2.0 * r for a, r in zip(self._raw, rr, strict=True)]
         else:
             self._t_prefill = self._t_decode = self._t_pair = self._t_worst = INF
+
     def _refresh_limits(self) -> None:
         law, c = self.law, self.cfg
         key = (law.prefill_cap, law.decode_cap, round(self.kv.ratio, 2), law.emergency)
@@ -356,6 +369,28 @@ class AdaptivePolicy:
             )
             self._log("limits", f"prefill_tokens={law.prefill_cap} decode_seqs={law.decode_cap} "
                       f"kv_ratio={key[2]:.2f} emergency={law.emergency}", quiet=True)
+
+    def _log_pack(self, what: tuple[int, int, float, float, float]) -> None:
+        """The quiet "pack" entry: (chunks, deferrals, predicted MiB, threshold MiB, scale) of a step that
+        admission cut. Memory-bound serving logs one every step, each replacing the last, so the text is
+        formatted only when the log is read (state()) or when a later pack entry is appended rather than
+        replacing it: formatting every step cost ~3 us a step on the slow build CPU."""
+        entry = {"step": self._step, "action": "pack", "reason": ""}
+        d = self.decisions
+        if d and d[-1]["action"] == "pack":
+            d[-1] = entry  # the pending entry, if any, was that one: dropped unformatted
+        else:
+            self._format_pack()
+            d.append(entry)
+        self._pack = (entry, what)
+
+    def _format_pack(self) -> None:
+        """Write the reason of the pending "pack" entry."""
+        if self._pack is not None:
+            entry, (chunks, defers, pred, threshold, scale) = self._pack
+            entry["reason"] = (f"{chunks} chunked, {defers} deferred: predicted {pred:.0f} MiB vs threshold "
+                               f"{threshold:.0f} MiB (scale {scale:.2f})")
+            self._pack = None
 
     def _log(self, action: str, reason: str, quiet: bool = False) -> None:
         if quiet and self.decisions and self.decisions[-1]["action"] == action:
