@@ -53,11 +53,13 @@ sys.path.insert(0, str(ROOT))
 from controller_acceptance import load  # noqa: E402
 from report_io import write_report  # noqa: E402
 
-from engine.twin.latency import LatencyModel  # noqa: E402
+from engine.twin.latency import LatencyModel, StepWork  # noqa: E402
 from engine.twin.profile import DEFAULT_PROFILE, load_profile  # noqa: E402
 
 CLIENTS, REQUESTS, PROMPT, OUTPUT, POOL, BLOCK = 16, 80, 256, 1024, 64, 256
 ROUNDS = REQUESTS // CLIENTS
+MATRIX = ROOT / "bench/results/matrix"
+POINT = (CLIENTS, PROMPT, OUTPUT)
 # Small instances (clients, pool, block, rounds; prompt one block, output four) for checking the bound
 # against the exact optimum: in each, some requests wait in the last segment and the early/late pair
 # forces a wait, and each searches in about a second.
@@ -121,8 +123,7 @@ def exact_steps(clients: int, rounds: int, blocks: list[int], pool: int) -> int:
                     following.add(new)
         frontier = following
     raise ValueError("no schedule finishes: a request does not fit the pool alone")
-MATRIX = ROOT / "bench/results/matrix"
-POINT = (CLIENTS, PROMPT, OUTPUT)
+
 
 
 def steps_with(weights: list[float], cap: int = 8000) -> tuple[int, int]:
@@ -218,20 +219,44 @@ def main() -> None:
     seed, a64, a80 = twin_point("seed-static", 64), twin_point("adaptive", 64), twin_point("adaptive", 80)
     tokens = a80["total_output_tokens"]
     target = 1.3 * seed["output_throughput"]
-    step = LatencyModel(load_profile(DEFAULT_PROFILE)).decode_step_time(1, PROMPT + 1, 1, 1)
+    latency = LatencyModel(load_profile(DEFAULT_PROFILE))
+    step = latency.decode_step_time(1, PROMPT + 1, 1, 1)
     allowed = a80["steps"] + (tokens / target - a80["duration"]) / step
+    # Forced recomputes (engine only, see the report line), each costed as one chunk beside the other 15
+    # requests decoding at a mid-request context.
+    recomputes = ROUNDS * fewest_waits([BLOCKS[-1]] * CLIENTS, POOL)
+    last = BLOCKS.count(BLOCKS[-1])
+    context = PROMPT + OUTPUT - last
+    beside = CLIENTS - 1, (CLIENTS - 1) * (PROMPT + OUTPUT // 2)
+    with_recompute = latency.step_time(StepWork(((context, 0),), *beside, CLIENTS, CLIENTS))
+    recompute = with_recompute - latency.decode_step_time(*beside, CLIENTS - 1, CLIENTS - 1)
+    estimate = a80["duration"] + (lower - a80["steps"]) * step + recomputes * recompute
+    # a lag of `last` steps or more empties the middle window (no forced preemption), but costs the steps
+    spread = a80["duration"] + (ROUNDS * OUTPUT + last - a80["steps"]) * step
     lines += [
         "",
         "What that means on the twin:",
         f"- seed-static at 64 blocks: {seed['output_throughput']:.1f} tok/s, so 1.3x is {target:.1f} tok/s, "
         f"{tokens} output tokens in at most {tokens / target:.1f} s;",
         f"- adaptive at 80 blocks, where the pool never binds: {a80['steps']} steps, {a80['duration']:.1f} s, "
-        f"{a80['output_throughput']:.1f} tok/s;",
-        f"- if the rest of the work costs what it did in that run, every step more adds at least a batch-1 "
-        f"decode step, {step * 1e3:.1f} ms, so 1.3x leaves room for about {allowed:.0f} steps. This part is an "
-        "estimate, not a proof: the rest of the work is not fixed (batched prefills, for one, cost less per "
-        "prompt on the twin);",
+        f"{a80['output_throughput']:.1f} tok/s, {a80['preemptions']} preemptions;",
+        f"- every step more adds at least a batch-1 decode step, {step * 1e3:.1f} ms, so 1.3x leaves room for "
+        f"about {allowed:.0f} steps if the rest of the work costs what it did in that run;",
         f"- the lower bound is {lower} steps and the best schedule found needs {min(found)};",
+        f"- the engine also pays for the waits: in the proof's middle window all {CLIENTS} requests are in "
+        f"their last quarter and {CLIENTS} x {BLOCKS[-1]} blocks do not fit {POOL}, so at least "
+        f"{recomputes // ROUNDS} a round hold no blocks there: they were preempted, and each resumes with a "
+        f"recompute of at least {context} tokens, at least {recomputes} in all. In one chunk beside "
+        f"{beside[0]} decodes such a recompute adds "
+        f"{recompute * 1e3:.0f} ms to its step;",
+        f"- together, while every lag stays under {last} steps: at least {a80['duration']:.1f} + "
+        f"{lower - a80['steps']} x {step * 1e3:.1f} ms + {recomputes} x {recompute * 1e3:.0f} ms = {estimate:.1f} s; "
+        f"with a lag of {last} or more the middle window and its preemptions go, but the steps are at least "
+        f"{ROUNDS * OUTPUT + last}: {spread:.1f} s. So at most "
+        f"{tokens / min(estimate, spread) / seed['output_throughput']:.3f}x seed-static. This is an estimate, "
+        "not a proof: it takes the rest of the work at its cost in the 80-block run, and that work is not fixed "
+        "(batched prefills, for one, cost less per prompt on the twin), nor is the cost of a recompute (it "
+        "depends on how it is chunked and what shares its steps);",
         f"- adaptive at 64 blocks: {a64['steps']} steps, {a64['duration']:.1f} s, "
         f"{a64['output_throughput']:.1f} tok/s ({a64['output_throughput'] / seed['output_throughput']:.3f}x), "
         f"{a64['preemptions']} preemptions.",
