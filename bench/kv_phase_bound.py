@@ -125,7 +125,6 @@ def exact_steps(clients: int, rounds: int, blocks: list[int], pool: int) -> int:
     raise ValueError("no schedule finishes: a request does not fit the pool alone")
 
 
-
 def steps_with(weights: list[float], cap: int = 8000) -> tuple[int, int]:
     """(steps, preemptions) when each step runs clients in the order of
     w0 * progress - w1 * ran_last_step + w2 * client_id + w3 * requests_done + w4 * blocks_needed."""
@@ -247,8 +246,7 @@ def main() -> None:
         f"their last quarter and {CLIENTS} x {BLOCKS[-1]} blocks do not fit {POOL}, so at least "
         f"{recomputes // ROUNDS} a round hold no blocks there: they were preempted, and each resumes with a "
         f"recompute of at least {context} tokens, at least {recomputes} in all. In one chunk beside "
-        f"{beside[0]} decodes such a recompute adds "
-        f"{recompute * 1e3:.0f} ms to its step;",
+        f"{beside[0]} decodes such a recompute adds {recompute * 1e3:.0f} ms to its step;",
         f"- together, while every lag stays under {last} steps: at least {a80['duration']:.1f} + "
         f"{lower - a80['steps']} x {step * 1e3:.1f} ms + {recomputes} x {recompute * 1e3:.0f} ms = {estimate:.1f} s; "
         f"with a lag of {last} or more the middle window and its preemptions go, but the steps are at least "
