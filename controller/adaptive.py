@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from operator import add
 from typing import Any
 
@@ -59,7 +60,6 @@ class AdaptivePolicy:
             "estimator_resets": 0,
         }
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
-        self._pack: tuple[dict[str, Any], tuple[int, int, float, float, float]] | None = None  # see _log_pack
         self._raw = self.estimator.raw  # live list, updated in place by the estimator
         self._t_prefill = INF
         self._t_decode = INF
@@ -69,8 +69,7 @@ class AdaptivePolicy:
         self._t_pair = INF
         self._raw_worst = [0.0] * len(self._raw)
         self._t_worst = INF
-        self._versions = (-1, -1)  # estimator versions when the summed vectors were last marked stale
-        self._summed_stale = False  # _raw_pair / _raw_worst lag the estimators (see _sum_coefficients)
+        self._versions = (-1, -1)  # estimator versions _raw_pair / _raw_worst were summed from
         self._last_retries: int | None = None
         self._step = 0
         # what admission did on the step being packed; consumed by observe()
@@ -137,18 +136,19 @@ class AdaptivePolicy:
         """The three checks of _refresh, without counting anything."""
         c = largest_chunk(self._raw, shape, context, chunk, self._t_prefill)
         if c:
-            if self._summed_stale:
-                self._sum_coefficients()
+            versions = (self.estimator.version, self.retained.version)
+            if versions != self._versions:
+                self._sum_coefficients(versions)
             c = largest_chunk(self._raw_pair, shape, context, c, self._t_pair)
         if c:
             c = largest_chunk(self._raw_worst, shape, context, c, self._t_worst)
         return c
 
-    def _sum_coefficients(self) -> None:
+    def _sum_coefficients(self, versions: tuple[int, int]) -> None:
         """Rebuild the pair and worst-case coefficient vectors (peak + retained, peak + 2 x retained) after
         either estimator learnt. Only prefill chunk checks read them, so this runs on the first such check
         rather than in every learning step's _refresh: decode-only steps never pay for it."""
-        self._summed_stale = False
+        self._versions = versions
         raw, rr = self._raw, self.retained.raw
         self._raw_pair = list(map(add, raw, rr))
         self._raw_worst = list(map(add, raw, map(add, rr, rr)))  # r + r == 2.0 * r, exactly
@@ -203,7 +203,6 @@ class AdaptivePolicy:
 
     def state(self) -> dict[str, Any]:
         with self._lock:
-            self._format_pack()
             b = self.budget.budget
             est = self.estimator
             return {
@@ -228,7 +227,8 @@ class AdaptivePolicy:
                 "emergency": self.law.emergency,
                 "kv_reservation": self.kv.state(),
                 "counters": dict(self.counters),
-                "decisions": list(self.decisions),
+                "decisions": [{**d, "reason": d["reason"]()} if callable(d["reason"]) else d
+                              for d in self.decisions],
                 "config": self.cfg.as_dict(),
             }
 
@@ -303,7 +303,12 @@ class AdaptivePolicy:
         if why:
             self._log("kv_ratio", why)
         if self._step_chunks or self._step_defers:
-            self._log_pack((self._step_chunks, self._step_defers, self._last_pred, self._t_prefill, law.scale))
+            chunks, defers, pred, threshold, scale = (self._step_chunks, self._step_defers, self._last_pred,
+                                                      self._t_prefill, law.scale)
+            # formatted when read: memory-bound serving logs this every step (each replacing the last),
+            # and the f-string cost ~3 us a step on the slow build CPU
+            self._log("pack", lambda: f"{chunks} chunked, {defers} deferred: predicted {pred:.0f} MiB vs "
+                      f"threshold {threshold:.0f} MiB (scale {scale:.2f})", quiet=True)
             self._step_chunks = self._step_defers = 0
         self._cut = False
         self._refresh()
@@ -325,10 +330,6 @@ class AdaptivePolicy:
         b = self.budget.budget
         est = self.estimator
         ret = self.retained
-        versions = (est.version, ret.version)
-        if versions != self._versions:  # an estimator learnt: the summed coefficient vectors are stale
-            self._versions = versions
-            self._summed_stale = True
         # The thresholds depend on the budget, the scale and the margins, not on the coefficients: a
         # learning step whose margins did not move keeps them.
         key = (b, self.law.scale, est.windows[True].value, est.windows[False].value, ret.windows[True].value)
@@ -370,29 +371,8 @@ class AdaptivePolicy:
             self._log("limits", f"prefill_tokens={law.prefill_cap} decode_seqs={law.decode_cap} "
                       f"kv_ratio={key[2]:.2f} emergency={law.emergency}", quiet=True)
 
-    def _log_pack(self, what: tuple[int, int, float, float, float]) -> None:
-        """The quiet "pack" entry: (chunks, deferrals, predicted MiB, threshold MiB, scale) of a step that
-        admission cut. Memory-bound serving logs one every step, each replacing the last, so the text is
-        formatted only when the log is read (state()) or when a later pack entry is appended rather than
-        replacing it: formatting every step cost ~3 us a step on the slow build CPU."""
-        entry = {"step": self._step, "action": "pack", "reason": ""}
-        d = self.decisions
-        if d and d[-1]["action"] == "pack":
-            d[-1] = entry  # the pending entry, if any, was that one: dropped unformatted
-        else:
-            self._format_pack()
-            d.append(entry)
-        self._pack = (entry, what)
-
-    def _format_pack(self) -> None:
-        """Write the reason of the pending "pack" entry."""
-        if self._pack is not None:
-            entry, (chunks, defers, pred, threshold, scale) = self._pack
-            entry["reason"] = (f"{chunks} chunked, {defers} deferred: predicted {pred:.0f} MiB vs threshold "
-                               f"{threshold:.0f} MiB (scale {scale:.2f})")
-            self._pack = None
-
-    def _log(self, action: str, reason: str, quiet: bool = False) -> None:
+    def _log(self, action: str, reason: str | Callable[[], str], quiet: bool = False) -> None:
+        """`reason` may be a function that formats it, called when state() reads the log."""
         if quiet and self.decisions and self.decisions[-1]["action"] == action:
             self.decisions[-1] = {"step": self._step, "action": action, "reason": reason}
             return

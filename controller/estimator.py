@@ -191,7 +191,7 @@ class PeakEstimator:
         err = peak_mib - pred
         rel = err / (pred + self.margin_floor + 1e-9)
         self.last_residual = rel
-        trained = self.samples > self.n  # self.trained, read once (a property call per use costs here)
+        trained = self.trained  # read once for the two checks below (a property call costs here)
         if trained:  # an untrained model's errors say nothing about the margin it needs
             self.windows[shape.prefill_tokens > 0].add(min(rel, 4.0))
         # change detection (an untrained model's large errors are expected, not a change)
@@ -207,12 +207,11 @@ class PeakEstimator:
             self._run = 0
         if abs(self._run) >= self.change_count:
             self.reset("change")
-            trained = False  # samples restart from 0
         self.total_samples += 1
         # Event-triggered learning: steady serving repeats nearly the same shapes; when the model already
         # predicts a step well, the update teaches little and is most of the controller's cost. Learn on
         # surprise, and at least every 8th step.
-        if not censored and trained and abs(rel) < _SKIP_TOLERANCE and self._skipped < _SKIP_MAX:
+        if not censored and self.trained and abs(rel) < _SKIP_TOLERANCE and self._skipped < _SKIP_MAX:
             self._skipped += 1
             return rel
         self._skipped = 0
