@@ -15,8 +15,9 @@ import uvicorn
 
 from controller.baselines import FixedPolicy
 from engine.llm_engine import LLMEngine
-from engine.server.app import ServerConfig, create_app
+from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
+from engine.server.context import AppContext
 from engine.server.standin import StandInTokenizer
 from tests.fake_backend import FakeBackend
 
@@ -160,7 +161,7 @@ class FailingBackend(FakeBackend):
 def serve_in_thread(failure: type[BaseException]) -> Iterator[tuple[str, AsyncEngine]]:
     """The app under uvicorn in a thread: real sockets, so a stream and a second request can overlap."""
     server = AsyncEngine(LLMEngine(FailingBackend(failure), FixedPolicy()), max_waiting=8)
-    app = create_app(server, ServerConfig(model_name="fake", tokenizer=StandInTokenizer(), vocab_size=1000))
+    app = create_app(AppContext(server, model_name="fake", tokenizer=StandInTokenizer(), vocab_size=1000))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical")
     sock = config.bind_socket()
     runner = uvicorn.Server(config)

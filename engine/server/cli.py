@@ -17,8 +17,9 @@ from typing import Any
 from engine.factory import add_engine_args, build_backend, build_policy
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
-from engine.server.app import ServerConfig, create_app
+from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
+from engine.server.context import AppContext
 from engine.server.standin import StandInTokenizer
 from telemetry.metrics import Metrics, RequestTiming
 from telemetry.trace import StepTrace
@@ -85,7 +86,8 @@ def build_app(args: argparse.Namespace) -> Any:
         engine, args.max_waiting, on_step=[metrics.observe_step, trace.append], on_finish=[observe_finished]
     )
     config = getattr(backend, "config", None)
-    cfg = ServerConfig(
+    ctx = AppContext(
+        engine=server,
         model_name=name,
         tokenizer=backend.tokenizer or StandInTokenizer(),
         api_key=args.api_key or os.environ.get("HEADROOM_API_KEY") or None,
@@ -94,7 +96,7 @@ def build_app(args: argparse.Namespace) -> Any:
         vocab_size=getattr(config, "vocab_size", None),
     )
     logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, args.max_waiting)
-    return create_app(server, cfg)
+    return create_app(ctx)
 
 
 def serve(args: argparse.Namespace) -> int:
