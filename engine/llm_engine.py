@@ -164,6 +164,8 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             if item.sample:
+                if item.logprob is not None:
+                    seq.output_logprobs.append(item.logprob)
                 seq.token_times.append(now)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
