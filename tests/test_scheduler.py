@@ -74,10 +74,12 @@ def test_seed_static_never_mixes_and_defers_long_prompts():
         long = [it for it in b.items if it.seq.prompt_len >= 4096]
         assert len(long) <= 1
     # The second long prompt waits until the first one's decodes are done.
-    first_long_decode = next(i for i, b in enumerate(backend.steps) if any(
-        not it.is_prefill and it.seq.request_id == "0" for it in b.items))
-    second_prefill = next(i for i, b in enumerate(backend.steps) if any(
-        it.is_prefill and it.seq.request_id == "1" for it in b.items))
+    first_long_decode = next(
+        i for i, b in enumerate(backend.steps) if any(not it.is_prefill and it.seq.request_id == "0" for it in b.items)
+    )
+    second_prefill = next(
+        i for i, b in enumerate(backend.steps) if any(it.is_prefill and it.seq.request_id == "1" for it in b.items)
+    )
     assert second_prefill > first_long_decode
 
 
@@ -94,8 +96,9 @@ def test_stop_conditions():
     engine = LLMEngine(FakeBackend(), vllm_like())
     out = run(engine, [PROMPTS[0]], max_tokens=5)[0]
     seq = engine.add_request("eos", PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[out[2]]))
-    seq_min = engine.add_request("min", PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[out[2]],
-                                                                    min_tokens=4))
+    seq_min = engine.add_request(
+        "min", PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[out[2]], min_tokens=4)
+    )
     while engine.has_unfinished():
         engine.step()
     assert seq.output_ids == out[:3] and seq.finish_reason == "stop"
