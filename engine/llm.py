@@ -29,11 +29,12 @@ class LLM:
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[CompletionOutput]:
-        """Submit every prompt at once (continuous batching) and run the engine until all finish."""
+        """Submit every prompt at once (continuous batching) and run the engine until all finish. A text prompt
+        gets the tokenizer's special tokens (BOS where the model's config says so), as vLLM's does."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         seqs: list[Sequence] = []
         for prompt, p in zip(prompts, params_list, strict=True):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
             seqs.append(self.engine.add_request(str(self._next_id), ids, p))
             self._next_id += 1
         while self.engine.has_unfinished():
@@ -42,7 +43,8 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> CompletionOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([prompt], params)[0]
+        # the template writes BOS itself
+        return self.generate([self.tokenizer.encode(prompt, add_special_tokens=False)], params)[0]
 
     def _output(self, seq: Sequence) -> CompletionOutput:
         text = self.tokenizer.decode(seq.output_ids) if self.tokenizer else ""

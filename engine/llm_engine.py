@@ -13,6 +13,7 @@ from engine.kv_cache import BlockAllocator
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.stop_strings import StopStringMatcher
 from telemetry.record import StepRecord
 
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
         self.scheduler = Scheduler(self.allocator, policy)
         self.requests: dict[str, Sequence] = {}
+        self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings and a tokenizer
         self.healthy = True
         self.step_id = 0
         self.ooms = 0
@@ -80,6 +82,8 @@ class LLMEngine:
             arrival_time=self.backend.now() if arrival_time is None else arrival_time,
         )
         self.requests[request_id] = seq
+        if params.stop and self.backend.tokenizer is not None:
+            self._stop_matchers[request_id] = StopStringMatcher(self.backend.tokenizer, params.stop)
         self.scheduler.add(seq)
         return seq
 
@@ -107,6 +111,10 @@ class LLMEngine:
                 f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
                 "max_tokens",
                 "context_length_exceeded",
+            )
+        if params.min_tokens > max_tokens:  # only when max_tokens is None: validate() checked the rest
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the context leaves", "min_tokens"
             )
         if self.allocator.blocks_for(n + max_tokens) > self.allocator.num_blocks:
             raise RequestError(
@@ -156,6 +164,8 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             if item.sample:
+                if item.logprob is not None:
+                    seq.output_logprobs.append(item.logprob)
                 seq.token_times.append(now)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
@@ -177,24 +187,28 @@ class LLMEngine:
         return failed
 
     def _stop_reason(self, seq: Sequence) -> str | None:
+        """vLLM's stop checks, in its order: nothing under min_tokens (at most max_tokens, checked at arrival);
+        EOS unless ignored; a stop token id; a stop string, cut from the text at `stop_text_len`; then the
+        length cap. So a stop string completed by the last allowed token still cuts and reports "stop", as
+        vLLM's output processor reports it."""
         params, token, n_out = seq.params, seq.output_ids[-1], len(seq.output_ids)
-        if n_out >= seq.max_tokens:
-            return "length"
+        matcher = self._stop_matchers.get(seq.request_id)
+        cut = matcher.update(seq.output_ids, search=n_out >= params.min_tokens) if matcher else None
         if n_out < params.min_tokens:
             return None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.backend.eos_token_ids):
             return "stop"
-        if params.stop and self.backend.tokenizer is not None:
-            text = self.backend.tokenizer.decode(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-            if hits:
-                seq.stop_text_len = min(hits)
-                return "stop"
+        if cut is not None:
+            seq.stop_text_len = cut
+            return "stop"
+        if n_out >= seq.max_tokens:
+            return "length"
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         del self.requests[seq.request_id]
+        self._stop_matchers.pop(seq.request_id, None)
         self.policy.observe_finished(len(seq.output_ids), seq.max_tokens, reason)
         for listener in self.finish_listeners:
             listener(seq)

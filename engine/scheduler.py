@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from controller.limits import Limits
 from controller.policy import Policy
 from engine.kv_cache import BlockAllocator
-from engine.sequence import Sequence, Status
+from engine.sequence import Sequence, Status, TokenLogprob
 from telemetry.record import StepShape
 
 
@@ -19,6 +19,7 @@ class ScheduledSeq:
     num_tokens: int  # tokens computed this step (1 for a decode)
     is_prefill: bool
     sample: bool = field(init=False)  # this chunk reaches the end of the known tokens: sample the next one
+    logprob: TokenLogprob | None = field(default=None, init=False)  # set by the backend when asked for
 
     def __post_init__(self) -> None:
         self.sample = self.start + self.num_tokens == self.seq.num_tokens

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sampler import TokenCounts
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's logprobs, from the model's log-softmax before temperature and penalties (vLLM's
+    default "raw" logprobs)."""
+
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # the request's top k (token id, logprob), best first
 
 
 @dataclass
@@ -30,7 +43,10 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
-    stop_text_len: int | None = None  # where a stop string cut the text, set by the detokenizer
+    stop_text_len: int | None = None  # where a stop string cut the decoded output text, set by the engine
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_ids when asked for
+    # the sampler's penalty counts for this request (engine/sampler.py), made on first use
+    token_counts: TokenCounts | None = field(default=None, compare=False, repr=False)
 
     @property
     def prompt_len(self) -> int:
@@ -42,7 +58,18 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """A new list of every token: O(length). A step's feed takes `token_slice` instead."""
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building token_ids: a decode step's one token costs O(1), not a
+        copy of the whole sequence."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def is_decode(self) -> bool:

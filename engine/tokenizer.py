@@ -9,6 +9,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 
 def _raise_exception(message: str) -> None:
@@ -18,6 +19,22 @@ def _raise_exception(message: str) -> None:
 def _tojson(value: Any, indent: int | None = None) -> str:
     """HF's override: jinja2's own tojson HTML-escapes, which changes the prompt."""
     return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def special_tokens_processor(hf: HFTokenizer, bos_id: int | None, eos_id: int | None) -> processors.PostProcessor:
+    """What `encode(add_special_tokens=True)` adds: BOS before and EOS after each sequence, either left out when
+    None. Built as transformers' `update_post_processor` builds it when a tokenizer config says
+    add_bos_token / add_eos_token, so the loaders can apply what a model's config says."""
+
+    def special(token_id: int | None, type_id: int) -> list[str]:
+        return [] if token_id is None else [f"{hf.id_to_token(token_id)}:{type_id}"]
+
+    single = [*special(bos_id, 0), "$A:0", *special(eos_id, 0)]
+    pair = [*single, *special(bos_id, 1), "$B:1", *special(eos_id, 1)]
+    ids = [i for i in dict.fromkeys((bos_id, eos_id)) if i is not None]
+    return processors.TemplateProcessing(
+        single=" ".join(single), pair=" ".join(pair), special_tokens=[(hf.id_to_token(i), i) for i in ids]
+    )
 
 
 class Tokenizer:
@@ -52,8 +69,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token strings in `text` (e.g. `<|im_start|>` from a chat template) become their ids.
-        `add_special_tokens` adds the tokenizer's own BOS/EOS post-processing, which chat prompts avoid
-        because the template already wrote them."""
+        `add_special_tokens` adds what the model's tokenizer config says (BOS for Llama checkpoints; the
+        loaders set it up as HF does): completions want it (vLLM's default), rendered chat templates do not,
+        because the template already wrote BOS."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -15,14 +15,13 @@ from engine.attention import (
     kv_cache_bytes_per_block,
 )
 from engine.loaders import load
-from engine.sampler import Sampler, mask_tokens
+from engine.sampler import Sampler
 from telemetry.probes import make_probe
 from telemetry.probes.cpu import tensor_bytes
 from telemetry.units import parse_bytes
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledBatch
-    from engine.sequence import Sequence
 
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
 DTYPES = {
@@ -126,22 +125,16 @@ class TorchBackend:
     def now(self) -> float:
         return time.monotonic()
 
-    def _banned(self, seq: Sequence) -> set[int]:
-        """Tokens that would end `seq` before min_tokens: its stop ids, and EOS unless EOS is ignored."""
-        banned = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            banned |= self.eos_token_ids
-        return banned
-
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
-        """One forward over every item's new tokens; one sampled token per item with `sample`, in order."""
+        """One forward over every item's new tokens; one sampled token per item with `sample`, in order. An
+        item whose request asks for logprobs gets them in `item.logprob`."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat-batch index of each sampling item's last new token
         for item in batch.items:
             end = item.start + item.num_tokens
-            ids += item.seq.token_ids[item.start : end]
+            ids += item.seq.token_slice(item.start, end)
             positions += range(item.start, end)
             if item.sample:
                 rows.append(len(ids) - 1)
@@ -158,9 +151,9 @@ class TorchBackend:
         )
         if not rows:
             return []
-        seqs = [it.seq for it in batch.items if it.sample]
+        sampling = [it for it in batch.items if it.sample]
         logits = self.model.compute_logits(hidden[rows])
-        mask_tokens(
-            logits, [(i, self._banned(s)) for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
-        )
-        return self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs])
+        tokens, logprobs = self.sampler.sample_sequences(logits, [it.seq for it in sampling], self.eos_token_ids)
+        for item, logprob in zip(sampling, logprobs, strict=True):
+            item.logprob = logprob
+        return tokens

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 1, 2
@@ -21,6 +21,29 @@ CHAT_TEMPLATE = (
     "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TokenizerStyle:
+    special_tokens: list[str]
+    bos: str
+    eos: str
+    chat_template: str
+    adds_bos: bool  # tokenizer.json's post-processor adds BOS, and the GGUF says tokenizer.ggml.add_bos_token
+
+
+SMOL_STYLE = TokenizerStyle(SPECIAL_TOKENS, SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOS_ID], CHAT_TEMPLATE, False)
+# Llama 3's: a TemplateProcessing post-processor puts <|begin_of_text|> before every encoded text, and the
+# chat template writes it too (as {{ bos_token }}).
+LLAMA3_STYLE = TokenizerStyle(
+    ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "<|begin_of_text|>",
+    "<|eot_id|>",
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    True,
 )
 CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome.",
@@ -36,19 +59,25 @@ class TinyLlama:
     gguf_path: Path
     config: dict
     weights: dict[str, torch.Tensor]  # HF names, float32, values exactly representable in fp16
+    style: TokenizerStyle
 
 
-def train_tokenizer(vocab_size: int = 320) -> Tokenizer:
+def train_tokenizer(vocab_size: int = 320, style: TokenizerStyle = SMOL_STYLE) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=style.special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
+    if style.adds_bos:
+        bos = (style.bos, tok.token_to_id(style.bos))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B:1", special_tokens=[bos]
+        )
     return tok
 
 
@@ -83,7 +112,7 @@ def random_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def save_hf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tok: Tokenizer) -> None:
+def save_hf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tok: Tokenizer, style: TokenizerStyle) -> None:
     """Two safetensors shards with an index, as large checkpoints are published."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **cfg}))
@@ -97,9 +126,9 @@ def save_hf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tok: Tokeni
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
-                "chat_template": CHAT_TEMPLATE,
-                "bos_token": SPECIAL_TOKENS[BOS_ID],
-                "eos_token": {"content": SPECIAL_TOKENS[EOS_ID], "special": True},
+                "chat_template": style.chat_template,
+                "bos_token": style.bos,
+                "eos_token": {"content": style.eos, "special": True},
             }
         )
     )
@@ -129,6 +158,7 @@ def save_gguf(
     weights: dict[str, torch.Tensor],
     tok: Tokenizer,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16,
+    style: TokenizerStyle = SMOL_STYLE,
 ) -> None:
     """Matrices in `qtype`, norms in F32, q/k permuted the way llama.cpp's converter does."""
     w = gguf.GGUFWriter(str(path), "llama")
@@ -146,12 +176,14 @@ def save_gguf(
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t, _ in vocab])
+    w.add_token_types([3 if t in style.special_tokens else 1 for t, _ in vocab])
     merges = json.loads(tok.to_str())["model"]["merges"]
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_bos_token_id(tok.token_to_id(style.bos))
+    w.add_eos_token_id(tok.token_to_id(style.eos))
+    if style.adds_bos:
+        w.add_add_bos_token(True)
+    w.add_chat_template(style.chat_template)
     for name, t in weights.items():
         a = t.numpy()
         if name.endswith("q_proj.weight"):
@@ -201,11 +233,12 @@ def build_tiny_llama(
     root: Path,
     tie: bool = False,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16,
+    style: TokenizerStyle = SMOL_STYLE,
 ) -> TinyLlama:
     root.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    tok = train_tokenizer(style=style)
     cfg = tiny_config(tok.get_vocab_size(with_added_tokens=True), tie)
     weights = random_weights(cfg)
-    save_hf(root / "hf", cfg, weights, tok)
-    save_gguf(root / "tiny.gguf", cfg, weights, tok, qtype)
-    return TinyLlama(root / "hf", root / "tiny.gguf", cfg, weights)
+    save_hf(root / "hf", cfg, weights, tok, style)
+    save_gguf(root / "tiny.gguf", cfg, weights, tok, qtype, style)
+    return TinyLlama(root / "hf", root / "tiny.gguf", cfg, weights, style)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import gguf
 import jinja2
@@ -15,7 +16,7 @@ from engine.loaders import LoadedModel, load
 from engine.loaders.gguf import GGUFFile
 from engine.loaders.hf import read_tokenizer
 from engine.tokenizer import IncrementalDetokenizer
-from tests.fixtures_llama import build_tiny_llama
+from tests.fixtures_llama import LLAMA3_STYLE, build_tiny_llama
 
 TEXTS = ["Hello world!", "  spaces   and\ttabs\n\nnewlines", "12345 3.14159", "ünïcödé 東京 🙂", "<|im_start|>user\nhi"]
 
@@ -114,3 +115,56 @@ def test_default_gguf_metadata_and_tokenizer() -> None:
     assert len(tok.encode("2024")) == 4  # smollm splits digits one by one
     assert tok.eos_token_ids == {2}
     assert tok.decode(tok.encode("Hello, world! ünï")) == "Hello, world! ünï"
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_llama(tmp_path_factory.mktemp("llama3"), style=LLAMA3_STYLE)
+
+
+def bos_count(ids: list[int], bos: int) -> int:
+    return sum(i == bos for i in ids)
+
+
+@pytest.mark.parametrize("form", ["hf", "gguf"])
+def test_bos_where_the_tokenizer_config_says(llama3, form: str) -> None:
+    """Completions (add_special_tokens=True) start with BOS once; a rendered chat template, which writes BOS
+    itself, encoded without special tokens has exactly one."""
+    tok = read_tokenizer(llama3.hf_dir) if form == "hf" else GGUFFile(llama3.gguf_path).tokenizer("tiny")
+    bos = tok.bos_token_id
+    assert tok.token_text(bos) == "<|begin_of_text|>"
+    ids = tok.encode("The capital of France is", add_special_tokens=True)
+    assert ids[0] == bos and bos_count(ids, bos) == 1
+    assert tok.encode("The capital of France is") == ids[1:]
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.startswith("<|begin_of_text|>")
+    ids = tok.encode(chat, add_special_tokens=False)
+    assert ids[0] == bos and bos_count(ids, bos) == 1
+    assert bos_count(tok.encode(chat, add_special_tokens=True), bos) == 2  # why chat prompts must not add them
+
+
+def test_tokenizer_config_add_bos_token_overrides_tokenizer_json(llama3, tiny, tmp_path) -> None:
+    """transformers' rule: an explicit add_bos_token / add_eos_token in tokenizer_config.json rebuilds the
+    post-processor; without one, tokenizer.json's decides (the SmolLM-style fixture adds nothing)."""
+    assert read_tokenizer(tiny.hf_dir).encode("hi", add_special_tokens=True) == read_tokenizer(tiny.hf_dir).encode("hi")
+    for source, flags in [(llama3.hf_dir, {"add_bos_token": False}), (tiny.hf_dir, {"add_bos_token": True})]:
+        target = tmp_path / source.parent.name
+        target.mkdir()
+        (target / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+        config = json.loads((source / "tokenizer_config.json").read_text()) | flags | {"add_eos_token": True}
+        (target / "tokenizer_config.json").write_text(json.dumps(config))
+        tok = read_tokenizer(target)
+        plain = tok.encode("hi")
+        expected = [tok.bos_token_id] * flags["add_bos_token"] + plain + sorted(tok.eos_token_ids)
+        assert tok.encode("hi", add_special_tokens=True) == expected
+
+
+def test_offline_generate_adds_bos_and_chat_does_not_repeat_it(llama3) -> None:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(llama3.hf_dir), dtype="float32", device="cpu", num_blocks=16)
+    bos, params = llm.tokenizer.bos_token_id, SamplingParams(max_tokens=2, temperature=0)
+    prompt = llm.generate(["The capital of France is"], params)[0].prompt_token_ids
+    assert prompt[0] == bos and bos_count(prompt, bos) == 1
+    prompt = llm.chat([{"role": "user", "content": "hi"}], params).prompt_token_ids
+    assert prompt[0] == bos and bos_count(prompt, bos) == 1

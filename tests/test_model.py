@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from controller.baselines import FixedPolicy
 from engine.attention import allocate_kv_cache, build_attention_metadata, check_backend, paged_attention
 from engine.kv_cache import BlockAllocator
+from engine.llm_engine import LLMEngine
 from engine.model import ModelConfig, rope_inv_freq
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
@@ -259,3 +261,45 @@ def test_default_model_knows_paris() -> None:
     assert prompt[0] == 1  # <|im_start|> is one special token
     text = tok.decode(generate(backend, [prompt], 16)[0])
     assert "Paris" in text, text
+
+
+def run_engine(backend: TorchBackend, prompts: list[list[int]], params: SamplingParams) -> tuple[list, LLMEngine]:
+    engine = LLMEngine(backend, FixedPolicy(kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False))
+    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs, engine
+
+
+def test_penalties_and_logprobs_survive_batching_and_preemption(tiny) -> None:
+    """A penalized, seeded request with logprobs gives the same tokens and one logprob entry per token alone
+    and batched in a pool so small that it is preempted and recomputed."""
+    backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7, attention="sdpa")
+    prompts = tiny_prompts(backend)[:4]
+    params = SamplingParams(
+        max_tokens=16,
+        temperature=0.8,
+        seed=3,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logprobs=3,
+        ignore_eos=True,
+    )
+    alone = [run_engine(backend, [p], params)[0][0] for p in prompts]
+    together, engine = run_engine(backend, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    for a, b in zip(alone, together, strict=True):
+        assert b.output_ids == a.output_ids
+        assert len(b.output_logprobs) == len(b.output_ids)
+        assert b.output_logprobs == a.output_logprobs
+        assert all(len(lp.top) == 3 and lp.top[0][1] >= lp.logprob for lp in b.output_logprobs)
+    plain = run_engine(backend, prompts[:1], SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True))
+    assert plain[0][0].output_ids != alone[0].output_ids, "the penalties should change this sample"
+    assert plain[0][0].output_logprobs == []
+
+
+def test_token_slice_equals_slicing_token_ids() -> None:
+    seq = Sequence("s", [5, 6, 7, 8], SamplingParams(), max_tokens=10)
+    seq.output_ids.extend([1, 2, 3])
+    n = seq.num_tokens
+    assert all(seq.token_slice(a, b) == seq.token_ids[a:b] for a in range(n + 1) for b in range(a, n + 1))

@@ -2,9 +2,11 @@ from collections import Counter
 
 import pytest
 import torch
+from torch import Generator
 
-from engine.sampler import Sampler, mask_tokens, seed_for
-from engine.sampling_params import SamplingParams
+from engine.sampler import Sampler, apply_penalties, mask_tokens, seed_for
+from engine.sampling_params import ParamError, SamplingParams
+from engine.sequence import Sequence as Request
 
 V = 64
 
@@ -90,3 +92,109 @@ def test_masked_tokens_are_never_sampled() -> None:
     s = Sampler(seed=0)
     assert s.sample(x, [SamplingParams(temperature=0)] * 2, [0, 0]) == [0, 7]
     assert all(s.sample(x[:1], [SamplingParams()], [i])[0] not in (7, 9) for i in range(100))
+
+
+def penalized_reference(x: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """vLLM's penalties for one row, token by token."""
+    x = x.clone()
+    counts = Counter(output)
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t, c in counts.items():
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    return x
+
+
+def request(prompt: list[int], params: SamplingParams, output: list[int] = ()) -> Request:
+    seq = Request("r", list(prompt), params, max_tokens=1000)
+    seq.output_ids.extend(output)
+    return seq
+
+
+PENALIZED = [
+    SamplingParams(repetition_penalty=1.7),
+    SamplingParams(repetition_penalty=0.6, frequency_penalty=0.5),
+    SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0),
+    SamplingParams(presence_penalty=1.0, frequency_penalty=-0.3, repetition_penalty=1.2),
+]
+
+
+def test_penalties_match_the_reference_and_leave_other_rows_alone() -> None:
+    rng = Generator().manual_seed(3)
+    x = logits(len(PENALIZED) + 1, seed=4)
+    prompts = [torch.randint(0, V, (9,), generator=rng).tolist() for _ in PENALIZED]
+    outputs = [torch.randint(0, V, (15,), generator=rng).tolist() for _ in PENALIZED]
+    seqs = [request(pr, p, out) for pr, p, out in zip(prompts, PENALIZED, outputs, strict=True)]
+    seqs.append(request([1, 2, 3], SamplingParams(), [4, 4, 5]))
+    y = x.clone()
+    apply_penalties(y, seqs)
+    for i, (pr, p, out) in enumerate(zip(prompts, PENALIZED, outputs, strict=True)):
+        torch.testing.assert_close(y[i], penalized_reference(x[i], pr, out, p))
+    assert torch.equal(y[-1], x[-1])
+
+
+def test_penalty_counts_are_kept_incrementally() -> None:
+    """Counts updated one sampled token per step equal counts made from scratch; each update adds only the
+    new tokens."""
+    rng = Generator().manual_seed(5)
+    p = SamplingParams(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.3)
+    kept = request([3, 3, 8], p)
+    for _ in range(40):
+        y = logits(1, seed=len(kept.output_ids))
+        fresh = request(kept.prompt_ids, p, kept.output_ids)
+        expected = y.clone()
+        apply_penalties(expected, [fresh])
+        apply_penalties(y, [kept])
+        assert torch.equal(y, expected)
+        kept.output_ids.append(int(torch.randint(0, V, (), generator=rng)))
+    assert kept.token_counts.num_counted == 39
+    assert kept.token_counts.output.sum() == 39
+
+
+def test_greedy_follows_the_penalized_logits() -> None:
+    x = torch.zeros(1, V)
+    x[0, 7], x[0, 8] = 5.0, 4.0
+    seq = request([7], SamplingParams(temperature=0, repetition_penalty=2.0))
+    assert Sampler().sample_sequences(x.clone(), [seq], set())[0] == [8]
+    seq = request([1], SamplingParams(temperature=0, presence_penalty=2.0), [7])
+    assert Sampler().sample_sequences(x.clone(), [seq], set())[0] == [8]
+
+
+def test_logprobs_are_raw_and_the_top_k_is_best_first() -> None:
+    """The chosen token's logprob and the top k come from the model's log-softmax: temperature, penalties and
+    min_tokens masking do not change them. Rows that did not ask get None."""
+    x = logits(3, seed=6)
+    raw = torch.log_softmax(x, dim=-1)
+    seqs = [
+        request([1, 2], SamplingParams(temperature=0.3, seed=1, repetition_penalty=1.5, logprobs=5), [3]),
+        request([1], SamplingParams(temperature=0)),
+        request([4], SamplingParams(temperature=0, logprobs=0, min_tokens=2)),
+    ]
+    top_token = int(x[2].argmax())
+    tokens, logprobs = Sampler().sample_sequences(x.clone(), seqs, eos_token_ids={top_token})
+    assert logprobs[1] is None and tokens[2] != top_token  # EOS masked under min_tokens
+    for i in (0, 2):
+        assert logprobs[i].logprob == pytest.approx(raw[i, tokens[i]].item(), abs=1e-6)
+    assert logprobs[2].top == []
+    top = logprobs[0].top
+    assert [t for t, _ in top] == raw[0].topk(5).indices.tolist()
+    assert [v for _, v in top] == pytest.approx(raw[0].topk(5).values.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("inf")),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("temperature", float("nan")),
+    ],
+)
+def test_bad_sampling_params_name_the_field(field: str, value: float) -> None:
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**{field: value}).validate()
+    assert e.value.param == field

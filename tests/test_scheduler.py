@@ -74,10 +74,12 @@ def test_seed_static_never_mixes_and_defers_long_prompts():
         long = [it for it in b.items if it.seq.prompt_len >= 4096]
         assert len(long) <= 1
     # The second long prompt waits until the first one's decodes are done.
-    first_long_decode = next(i for i, b in enumerate(backend.steps) if any(
-        not it.is_prefill and it.seq.request_id == "0" for it in b.items))
-    second_prefill = next(i for i, b in enumerate(backend.steps) if any(
-        it.is_prefill and it.seq.request_id == "1" for it in b.items))
+    first_long_decode = next(
+        i for i, b in enumerate(backend.steps) if any(not it.is_prefill and it.seq.request_id == "0" for it in b.items)
+    )
+    second_prefill = next(
+        i for i, b in enumerate(backend.steps) if any(it.is_prefill and it.seq.request_id == "1" for it in b.items)
+    )
     assert second_prefill > first_long_decode
 
 
@@ -94,8 +96,9 @@ def test_stop_conditions():
     engine = LLMEngine(FakeBackend(), vllm_like())
     out = run(engine, [PROMPTS[0]], max_tokens=5)[0]
     seq = engine.add_request("eos", PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[out[2]]))
-    seq_min = engine.add_request("min", PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[out[2]],
-                                                                    min_tokens=4))
+    seq_min = engine.add_request(
+        "min", PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=[out[2]], min_tokens=4)
+    )
     while engine.has_unfinished():
         engine.step()
     assert seq.output_ids == out[:3] and seq.finish_reason == "stop"
@@ -177,3 +180,21 @@ def test_finished_requests_teach_the_adaptive_kv_reservation():
     assert run(engine, PROMPTS, max_tokens=6) == [out[:6] for out in alone(PROMPTS)]
     kv = policy.state()["kv_reservation"]
     assert policy.kv.finished == len(PROMPTS) and kv["used_share"] == 1.0  # every request ran to max_tokens
+
+
+def test_logprobs_are_appended_once_per_sampled_token_through_ooms():
+    """On the twin (no logits: logprob 0 and the token as its only top entry) with injected OOMs: a failed
+    step's tokens are never kept, so neither are their logprobs."""
+    from engine.faults import OOMInjector
+    from engine.twin.backend import TwinBackend
+
+    backend = OOMInjector(TwinBackend(num_blocks=64), rate=0.3, seed=2)
+    engine = LLMEngine(backend, RecoveringPolicy(kv_reserve_ratio=0.0, allow_mixed=True, max_num_seqs=256))
+    seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=9, logprobs=2)) for i, p in enumerate(PROMPTS)]
+    seqs.append(engine.add_request("off", PROMPTS[0], SamplingParams(max_tokens=9)))
+    while engine.has_unfinished():
+        engine.step()
+    assert backend.injected > 0
+    for seq in seqs[:-1]:
+        assert [(lp.logprob, lp.top) for lp in seq.output_logprobs] == [(0.0, [(t, 0.0)]) for t in seq.output_ids]
+    assert seqs[-1].output_logprobs == []

@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.model import ModelConfig
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, special_tokens_processor
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
@@ -139,11 +139,18 @@ class GGUFFile:
         bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         eos = self.get("tokenizer.ggml.eos_token_id")
         eot = self.get("tokenizer.ggml.eot_token_id")
+        bos = self.get("tokenizer.ggml.bos_token_id")
+        # what llama.cpp adds (its converters write these keys from the HF tokenizer's post-processor)
+        bpe.post_processor = special_tokens_processor(
+            bpe,
+            bos if self.get("tokenizer.ggml.add_bos_token", False) else None,
+            eos if self.get("tokenizer.ggml.add_eos_token", False) else None,
+        )
         return Tokenizer(
             bpe,
             name=name,
             eos_token_ids={i for i in (eos, eot) if i is not None},
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            bos_token_id=bos,
             chat_template=self.get("tokenizer.chat_template"),
         )
 

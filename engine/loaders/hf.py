@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.model import ModelConfig
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, special_tokens_processor
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM"}
 
@@ -76,13 +76,13 @@ def read_tokenizer(path: Path) -> Tokenizer:
     if eos_text is not None and (eos_id := hf.token_to_id(eos_text)) is not None:
         eos.add(eos_id)
     bos_text = _token_content(tc.get("bos_token"))
-    return Tokenizer(
-        hf,
-        name=path.name,
-        eos_token_ids=eos,
-        bos_token_id=hf.token_to_id(bos_text) if bos_text else None,
-        chat_template=template,
-    )
+    bos_id = hf.token_to_id(bos_text) if bos_text else None
+    if "add_bos_token" in tc or "add_eos_token" in tc:  # transformers' rule: the config overrides tokenizer.json
+        eos_id = hf.token_to_id(eos_text) if eos_text is not None else None
+        hf.post_processor = special_tokens_processor(
+            hf, bos_id if tc.get("add_bos_token") else None, eos_id if tc.get("add_eos_token") else None
+        )
+    return Tokenizer(hf, name=path.name, eos_token_ids=eos, bos_token_id=bos_id, chat_template=template)
 
 
 def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -12,6 +12,7 @@ import time
 from functools import cache
 
 from engine.scheduler import ScheduledBatch
+from engine.sequence import TokenLogprob
 from engine.twin.latency import LatencyModel, StepWork
 from engine.twin.memory import MemoryModel, StepMemory, StepResult
 from engine.twin.profile import DEFAULT_PROFILE, Profile, load_profile
@@ -121,7 +122,11 @@ class TwinBackend:
             import torch  # only for the exception type a real device raises
 
             raise torch.OutOfMemoryError(res.oom)
-        return [filler_token(it.start + it.num_tokens) for it in batch.items if it.sample]
+        sampling = [it for it in batch.items if it.sample]
+        for it in sampling:  # no logits here: each token is certain, so logprob 0 and the only top entry
+            if (k := it.seq.params.logprobs) is not None:
+                it.logprob = TokenLogprob(0.0, [(filler_token(it.start + it.num_tokens), 0.0)][:k])
+        return [filler_token(it.start + it.num_tokens) for it in sampling]
 
     def decode_step(self, n: int, context: int, until: float = float("inf")) -> bool:
         """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
