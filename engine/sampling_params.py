@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM: >1 discourages every token of the prompt and the output
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k (vLLM's meaning)
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter, so the API can answer 400 with `param` set."""

@@ -14,6 +14,15 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's logprobs, from the model's log-softmax before temperature and penalties (vLLM's
+    default "raw" logprobs)."""
+
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # the request's top k (token id, logprob), best first
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -31,6 +40,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     stop_text_len: int | None = None  # where a stop string cut the text, set by the detokenizer
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_ids when asked for
 
     @property
     def prompt_len(self) -> int:
