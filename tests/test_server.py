@@ -74,6 +74,16 @@ def test_chat_greedy_stream_and_usage(client, model_name, tokenizer) -> None:  #
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_n_samples_use_seed_plus_j_and_the_model_flag_is_a_served_name(client, model_name) -> None:  # noqa: ANN001
+    """vLLM's parallel sampling: with `seed`, sample j of n samples as a lone request with seed + j does."""
+    kw = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    both = client.completions.create(model="default", n=2, seed=7, **kw)
+    assert both.model == model_name and [c.index for c in both.choices] == [0, 1]
+    alone = [client.completions.create(model=model_name, seed=s, **kw).choices[0].text for s in (7, 8)]
+    assert [c.text for c in both.choices] == alone and alone[0] != alone[1]
+    assert both.usage.completion_tokens == 12
+
+
 def test_completions_ignore_eos_gives_exactly_max_tokens(client, model_name, tokenizer) -> None:  # noqa: ANN001
     kw = {"model": model_name, "max_tokens": 7, "temperature": 0, "extra_body": {"ignore_eos": True}}
     r = client.completions.create(prompt="The quick brown fox", **kw)

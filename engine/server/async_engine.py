@@ -23,7 +23,7 @@ from typing import Any
 from engine.llm_engine import EngineDeadError, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprob
 from telemetry.record import StepRecord
 
 logger = logging.getLogger("headroom.server")
@@ -46,6 +46,7 @@ class Update:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_text_len: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to token_ids when asked for
 
 
 _ACCEPTED = object()  # first message to a request: the engine took it
@@ -238,13 +239,16 @@ class AsyncEngine:
         for seq in touched:
             live = self._live.get(seq.request_id)
             if live is not None and len(seq.output_ids) > live.sent:
-                self._outbox.append((live.handle, Update(seq.output_ids[live.sent :])))
+                new = slice(live.sent, None)
+                self._outbox.append((live.handle, Update(seq.output_ids[new], logprobs=seq.output_logprobs[new])))
                 live.sent = len(seq.output_ids)
 
     def _finish_listener(self, seq: Sequence) -> None:
         live = self._live.pop(seq.request_id, None)
         if live is not None:
-            update = Update(seq.output_ids[live.sent :], seq.finish_reason or "abort", seq.stop_text_len)
+            new = slice(live.sent, None)
+            reason = seq.finish_reason or "abort"
+            update = Update(seq.output_ids[new], reason, seq.stop_text_len, seq.output_logprobs[new])
             self._outbox.append((live.handle, update))
         for listener in self.on_finish:
             self._call(listener, seq)

@@ -34,7 +34,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000, help="0 picks a free port (the ready line shows it)")
-    g.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the model's)")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names requests may use; responses carry the first (default: the model's own name and --model)",
+    )
     g.add_argument(
         "--api-key",
         default=None,
@@ -68,7 +73,8 @@ def build_app(args: argparse.Namespace) -> Any:
         backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
     )  # fmt: skip
     engine = LLMEngine(backend, build_policy(args))
-    name = args.served_model_name or backend.model_name
+    names = list(dict.fromkeys(args.served_model_name or [backend.model_name, args.model]))
+    name = names[0]
     metrics = Metrics(name, backend.max_model_len)
     trace = StepTrace(TRACE_CAPACITY, path=args.trace_file)
 
@@ -93,7 +99,8 @@ def build_app(args: argparse.Namespace) -> Any:
         api_key=args.api_key or os.environ.get("HEADROOM_API_KEY") or None,
         metrics=metrics,
         trace=trace,
-        vocab_size=getattr(config, "vocab_size", None),
+        vocab_size=getattr(config, "vocab_size", None) or getattr(backend, "vocab_size", None),
+        other_names=tuple(names[1:]),
     )
     logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, args.max_waiting)
     return create_app(ctx)

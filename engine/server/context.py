@@ -21,12 +21,17 @@ from telemetry.trace import StepTrace
 @dataclass
 class AppContext:
     engine: AsyncEngine
-    model_name: str  # the name /v1/models lists and requests must use
+    model_name: str  # the first served name: responses carry it
     tokenizer: Any  # the backend's, or engine.server.standin.StandInTokenizer for the twin
     api_key: str | None = None
     metrics: Metrics | None = None
     trace: StepTrace | None = None
     vocab_size: int | None = None  # token ids in prompts must be below it (None: unchecked)
+    other_names: tuple[str, ...] = ()  # further names a request may use for the model (/v1/models lists all)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.other_names)
 
 
 def context(request: Request) -> AppContext:

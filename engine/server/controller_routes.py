@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Body, Depends
 
 from engine.server.context import Ctx, engine_counters, require_key
-from engine.server.errors import bad_request
+from engine.server.errors import bad_request, error_responses
 
 DEFAULT_STATE_STEPS = 10
 
@@ -23,7 +23,7 @@ async def controller_state(ctx: Ctx, steps: int = DEFAULT_STATE_STEPS) -> dict[s
     return state
 
 
-@router.patch("/config", dependencies=[Depends(require_key)])
+@router.patch("/config", dependencies=[Depends(require_key)], responses=error_responses(400, 401))
 async def controller_config(ctx: Ctx, patch: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
     policy = ctx.engine.engine.policy
     try:

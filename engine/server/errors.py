@@ -1,7 +1,10 @@
 """OpenAI-shaped errors: every non-2xx answer is {"error": {"message", "type", "param", "code"}}.
 
 Clients (the `openai` package, benchmark tools) parse this shape to raise typed exceptions, so FastAPI's
-own `{"detail": ...}` answers for malformed JSON, unknown routes and wrong methods are replaced too.
+own `{"detail": ...}` answers for malformed JSON, unknown routes and wrong methods are replaced too, and
+the OpenAPI schema says so: validation errors are 400 (not FastAPI's 422) with this shape, and routes list
+the errors they answer with `error_responses`. An error never repeats a huge input: echoed values are
+clipped (`clip`) and so is every message.
 """
 
 from __future__ import annotations
@@ -12,13 +15,27 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("headroom.server")
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+ECHO_LIMIT = 100  # characters of a client's value an error message repeats
+MESSAGE_LIMIT = 1000  # characters of any error message (messages built elsewhere may quote input too)
+
+
+def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text` cut to `limit` characters, saying how long it was, so that a 10 MB value gives a small body."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def clip(value: object) -> str:
+    """A client's value as an error message quotes it: repr for strings, shortened."""
+    return shorten(repr(value) if isinstance(value, str) else str(value))
 
 
 class APIError(Exception):
@@ -50,7 +67,35 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    param = None if param is None else shorten(param)
+    return {"error": {"message": shorten(message, MESSAGE_LIMIT), "type": type, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The schema of every error answer, for /openapi.json."""
+
+    error: ErrorDetail
+
+
+ERROR_MEANING = {
+    400: "Invalid request: malformed JSON, a value out of range, an unsupported field",
+    401: "Missing or wrong API key",
+    404: "Not found: an unknown model, or a feature this server runs without",
+    429: "Too many requests waiting: retry after the Retry-After header's seconds",
+    503: "The engine cannot serve (stopped, or failed after an out-of-memory error)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for a route that answers these error statuses in the OpenAI shape."""
+    return {s: {"model": ErrorResponse, "description": ERROR_MEANING[s]} for s in statuses}
 
 
 def error_response(
@@ -73,14 +118,41 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    where = ".".join(loc)
-    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    where, msg = shorten(".".join(loc)), shorten(str(first.get("msg")))
+    message = f"{where}: {msg}" if where else msg
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return message, loc[0] if loc else None
 
 
+def _openapi_with_400(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with its 422 validation answers replaced by the 400s this server really sends;
+    every operation may also answer a 500 (a server bug)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                responses = operation["responses"]
+                if responses.pop("422", None) is not None:
+                    responses.setdefault("400", _error_schema_ref(ERROR_MEANING[400]))
+                responses.setdefault("500", _error_schema_ref("Internal server error (a bug)"))
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(error_schema.pop("$defs"), ErrorResponse=error_schema)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _error_schema_ref(description: str) -> dict[str, Any]:
+    schema = {"$ref": "#/components/schemas/ErrorResponse"}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.openapi = lambda: _openapi_with_400(app)  # type: ignore[method-assign]
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()

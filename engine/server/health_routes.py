@@ -6,10 +6,10 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.server.context import Ctx, engine_counters
-from engine.server.errors import SERVER_ERROR, APIError, error_body
+from engine.server.errors import SERVER_ERROR, APIError, error_body, error_responses
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -23,7 +23,7 @@ def package_version() -> str:
         return "unknown"
 
 
-@router.get("/health", response_model=None)
+@router.get("/health", response_model=None, responses=error_responses(503))
 async def health(ctx: Ctx) -> Response:
     engine = ctx.engine
     if engine.healthy:
@@ -43,7 +43,7 @@ async def version_info(ctx: Ctx) -> dict[str, Any]:
     }
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(404))
 async def metrics(ctx: Ctx) -> Response:
     m = ctx.metrics
     if m is None:

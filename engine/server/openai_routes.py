@@ -1,8 +1,9 @@
 """The OpenAI API: /v1/models, /v1/completions and /v1/chat/completions, streaming and not.
 
-Handlers never touch the engine directly: they tokenize, validate what the engine does not (model name,
-unsupported options, token ids), submit through `AsyncEngine.add` and turn the returned updates into text
-with `TextStream`, so the streamed deltas and the non-streamed text come from the same code.
+Handlers never touch the engine directly: they check what the engine does not (model name, unsupported
+fields, token ids), tokenize, submit one engine request per choice (`choices.submit`: each prompt times
+`n`) and turn the merged updates into text with `TextStream` and logprobs with `logprobs`, so streamed
+deltas and non-streamed bodies come from the same code. `_Endpoint` holds what differs between the two.
 """
 
 from __future__ import annotations
@@ -10,23 +11,30 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.llm_engine import EngineDeadError, RequestError
-from engine.sampling_params import SamplingParams
 from engine.server import protocol as p
-from engine.server.async_engine import QueueFullError, RequestHandle, Update
+from engine.server.choices import Choice, ChoiceUpdates, submit
 from engine.server.context import AppContext, Ctx, require_key
-from engine.server.errors import SERVER_ERROR, APIError, bad_request, error_body
-from engine.server.text import TextStream
+from engine.server.errors import APIError, bad_request, clip, error_body, error_responses, shorten
+from engine.server.logprobs import ChatLogprobs, CompletionLogprobs
 
 DISCONNECT_POLL_S = 0.5  # non-streaming requests: how often to check whether the client is still there
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], responses=error_responses(401))
+
+ANSWER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The answer: one JSON body, or with `stream` an SSE stream of chunks ending in [DONE]",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **error_responses(400, 404, 429, 503),
+}
 
 
 def _sse(obj: dict[str, Any] | str) -> str:
@@ -34,181 +42,180 @@ def _sse(obj: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def _engine_error(e: Exception) -> APIError:
-    """Map what AsyncEngine.add raises to an HTTP answer."""
-    if isinstance(e, RequestError):
-        return bad_request(str(e), e.param, e.code)
-    if isinstance(e, QueueFullError):
-        return APIError(429, str(e), "rate_limit_error", None, "queue_full", {"Retry-After": str(e.retry_after)})
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), SERVER_ERROR, None, "engine_dead")
-    raise e
-
-
 class _AbortOnClose(StreamingResponse):
-    """An SSE response that aborts its request however the response ends (client gone, error, shutdown)."""
+    """An SSE response that ends its requests however the response ends (client gone, error, shutdown)."""
 
-    def __init__(self, content: AsyncIterator[str], handle: RequestHandle) -> None:
+    def __init__(self, content: AsyncIterator[str], close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._handle = handle
+        self._close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._handle.abort()
+            self._close()
 
 
-def _text_of(update: Update, text: TextStream) -> tuple[str, str | None]:
-    """(text delta, finish_reason) for one engine update; the last update carries the finish reason."""
-    delta = text.add(update.token_ids)
-    reason = update.finish_reason
-    if reason is None:
-        return delta, None
-    if reason not in ("stop", "length"):  # "error": the engine failed it (unrecovered OOM); "abort"
-        raise APIError(503, f"the request was ended by the engine ({reason})", SERVER_ERROR, None, "engine_error")
-    return delta + text.finish(update.stop_text_len), reason
+@dataclass(frozen=True)
+class _Endpoint:
+    """What differs between the completions and chat answers."""
+
+    id_prefix: str
+    body_object: str
+    chunk_object: str
+    logprobs: type[CompletionLogprobs] | type[ChatLogprobs]
+    choice: Callable[[int, str, dict | None, str | None], dict[str, Any]]  # a body's choice
+    opening: Callable[[int], list[dict[str, Any]]]  # a stream's first chunk choices for one choice
+    deltas: Callable[[int, str, dict | None, str | None], list[dict[str, Any]]]  # a stream's, per update
 
 
-async def _updates(handle: RequestHandle, text: TextStream) -> AsyncIterator[tuple[str, str | None]]:
-    """For streams: (delta, finish_reason) per update that has something to send."""
-    try:
-        async for update in handle:
-            delta, reason = _text_of(update, text)
-            if delta or reason is not None:
-                yield delta, reason
-    except EngineDeadError as e:  # the loop died or stopped while this request ran
-        raise _engine_error(e) from e
+def _completion_deltas(index: int, text: str, logprobs: dict | None, reason: str | None) -> list[dict[str, Any]]:
+    if not text and logprobs is None and reason is None:
+        return []
+    return [p.completion_choice(index, text, logprobs, reason)]
 
 
-async def _collect(handle: RequestHandle, text: TextStream, request: Request) -> str | None:
-    """Run a non-streaming request to its end; the finish reason, or None when the client went away.
+def _chat_deltas(index: int, text: str, logprobs: dict | None, reason: str | None) -> list[dict[str, Any]]:
+    out = [p.chat_delta(index, {"content": text}, logprobs, None)] if text or logprobs is not None else []
+    if reason is not None:
+        out.append(p.chat_delta(index, {}, None, reason))
+    return out
 
-    The client is checked every DISCONNECT_POLL_S of wall time (updates may arrive faster than that, so
-    the check is not tied to a timeout) and a gone client's request is aborted. The wait is on the
-    handle's coroutine, not on a generator: a timeout cancels what it waits on, and a cancelled
-    generator is finished, while a cancelled `RequestHandle.__anext__` consumes nothing."""
-    loop = asyncio.get_running_loop()
-    check_at = loop.time() + DISCONNECT_POLL_S
-    try:
-        while True:
-            try:
-                update = await asyncio.wait_for(anext(handle), max(0.001, check_at - loop.time()))
-            except TimeoutError:
-                update = None
-            except EngineDeadError as e:
-                raise _engine_error(e) from e
-            if update is not None:
-                _, reason = _text_of(update, text)
-                if reason is not None:
-                    return reason
-            if loop.time() >= check_at:
-                if await request.is_disconnected():
-                    return None
-                check_at = loop.time() + DISCONNECT_POLL_S
-    finally:
-        handle.abort()
+
+COMPLETIONS = _Endpoint(
+    "cmpl", "text_completion", "text_completion", CompletionLogprobs, p.completion_choice,
+    lambda index: [], _completion_deltas,
+)  # fmt: skip
+CHAT = _Endpoint(
+    "chatcmpl", "chat.completion", "chat.completion.chunk", ChatLogprobs, p.chat_choice,
+    lambda index: [p.chat_delta(index, {"role": "assistant", "content": ""}, None, None)], _chat_deltas,
+)  # fmt: skip
 
 
 def _check_model(ctx: AppContext, name: str | None) -> None:
-    if name is not None and name != ctx.model_name:
-        raise bad_request(
-            f"the model {name!r} does not exist; this server serves {ctx.model_name!r}", "model", "model_not_found"
-        )
+    """vLLM answers a model it does not serve with a 404 (OpenAI's code: model_not_found)."""
+    if name is not None and name not in ctx.served_names:
+        served = ", ".join(map(repr, ctx.served_names))
+        raise APIError(404, f"the model {clip(name)} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")  # fmt: skip
 
 
 def _check_ids(ctx: AppContext, ids: list[int]) -> list[int]:
     limit = ctx.vocab_size
     bad = [t for t in ids if t < 0 or (limit is not None and t >= limit)]
     if bad:
-        raise bad_request(f"token id {bad[0]} is out of range [0, {limit or 'inf'})", "prompt", "invalid_token_id")
+        raise bad_request(
+            f"token id {clip(bad[0])} is out of range [0, {limit or 'inf'})", "prompt", "invalid_token_id"
+        )
     return ids
 
 
-async def _submit(ctx: AppContext, ids: list[int], params: SamplingParams) -> RequestHandle:
-    try:
-        return await ctx.engine.add(ids, params)
-    except (RequestError, QueueFullError, EngineDeadError) as e:
-        raise _engine_error(e) from e
+async def _collect(updates: ChoiceUpdates, request: Request) -> bool:
+    """Run a non-streaming answer to its end; False when the client went away first.
+
+    The client is checked every DISCONNECT_POLL_S of wall time (updates may arrive faster than that, so the
+    check is not tied to a timeout). A timeout cancels only the wait on the updates' queue, which loses
+    nothing."""
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_POLL_S
+    while not updates.done:
+        try:
+            choice, update = await asyncio.wait_for(updates.get(), max(0.001, check_at - loop.time()))
+            choice.advance(update)
+        except TimeoutError:
+            pass
+        if loop.time() >= check_at:
+            if await request.is_disconnected():
+                return False
+            check_at = loop.time() + DISCONNECT_POLL_S
+    return True
 
 
-async def _respond(
+async def _answer(
     ctx: AppContext,
     req: p.CompletionRequest | p.ChatCompletionRequest,
     request: Request,
-    ids: list[int],
-    params: SamplingParams,
-    kinds: tuple[str, str],
-    body: Callable[..., dict[str, Any]],
-    chunks: Callable[[str, int, RequestHandle, TextStream], AsyncIterator[dict]],
+    endpoint: _Endpoint,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
 ) -> Response:
-    """What both endpoints do once the prompt is tokenized: submit, then answer with one JSON body or
-    an SSE stream of `chunks`, the usage chunk if asked for, and [DONE]. `kinds` is (id prefix, chunk
-    object name)."""
-    handle = await _submit(ctx, ids, params)
-    text, rid, created, model_name = TextStream(ctx.tokenizer, params.stop), p.new_id(kinds[0]), p.now(), ctx.model_name
+    """Submit each prompt `n` times, then answer with one JSON body or an SSE stream of chunks, the usage
+    chunk if asked for, and [DONE]. Usage counts each prompt once and every choice's tokens."""
+    requests = [(ids, req.sampling_params(max_tokens, logprobs, j)) for ids in prompts for j in range(req.n)]
+    updates = ChoiceUpdates(await submit(ctx.engine, requests, ctx.tokenizer))
+    rid, created, name = p.new_id(endpoint.id_prefix), p.now(), ctx.model_name
+
+    def use() -> dict[str, int]:
+        return p.usage(sum(map(len, prompts)), sum(c.handle.num_tokens for c in updates.choices))
+
+    def final_logprobs(c: Choice) -> dict | None:
+        return None if logprobs is None else endpoint.logprobs(ctx.tokenizer).add(c.text.token_ids, c.logprobs)
+
     if not req.stream:
-        reason = await _collect(handle, text, request)
-        if reason is None:
-            return Response(status_code=499)
-        use = p.usage(len(ids), handle.num_tokens)
-        return JSONResponse(body(rid, created, model_name, text.final or "", reason, use))
+        try:
+            if not await _collect(updates, request):
+                return Response(status_code=499)
+        finally:
+            updates.close()
+        choices = [
+            endpoint.choice(c.index, c.text.final or "", final_logprobs(c), c.finish_reason) for c in updates.choices
+        ]
+        return JSONResponse({**p.envelope(rid, created, name, endpoint.body_object, choices), "usage": use()})
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        body = p.envelope(rid, created, name, endpoint.chunk_object, choices)
+        return _sse({**body, "usage": None} if req.include_usage else body)
 
     async def events() -> AsyncIterator[str]:
+        formatters = {c.index: endpoint.logprobs(ctx.tokenizer) for c in updates.choices}
         try:
-            async for chunk in chunks(rid, created, handle, text):
-                yield _sse(chunk)
+            for c in updates.choices:
+                for opening in endpoint.opening(c.index):
+                    yield chunk([opening])
+            async for c, update in updates:
+                delta = c.advance(update)
+                wanted = logprobs is not None and update.token_ids
+                piece = formatters[c.index].add(update.token_ids, update.logprobs) if wanted else None
+                for choice in endpoint.deltas(c.index, delta, piece, c.finish_reason):
+                    yield chunk([choice])
             if req.include_usage:
-                use = p.usage(len(ids), handle.num_tokens)
-                yield _sse(p.usage_chunk(rid, created, model_name, kinds[1], use))
+                yield _sse({**p.envelope(rid, created, name, endpoint.chunk_object, []), "usage": use()})
         except APIError as e:
             yield _sse(error_body(e.message, e.type, e.param, e.code))
         yield _sse("[DONE]")
 
-    return _AbortOnClose(events(), handle)
+    return _AbortOnClose(events(), updates.close)
 
 
 @router.get("/models")
 async def models(ctx: Ctx) -> dict[str, Any]:
-    card = p.ModelCard(id=ctx.model_name, max_model_len=ctx.engine.engine.max_model_len)
-    return {"object": "list", "data": [card.model_dump()]}
+    max_len, root = ctx.engine.engine.max_model_len, ctx.engine.engine.backend.model_name
+    cards = [p.ModelCard(id=name, root=root, max_model_len=max_len).model_dump() for name in ctx.served_names]
+    return {"object": "list", "data": cards}
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, responses=ANSWER_RESPONSES)
 async def completions(req: p.CompletionRequest, request: Request, ctx: Ctx) -> Response:
     _check_model(ctx, req.model)
     req.check_unsupported()
-    prompt = req.single_prompt()
-    ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else _check_ids(ctx, list(prompt))
-    params = req.sampling_params(req.max_tokens)
-
-    async def chunks(rid: str, created: int, handle: RequestHandle, text: TextStream) -> AsyncIterator[dict]:
-        async for delta, reason in _updates(handle, text):
-            yield p.completion_chunk(rid, created, ctx.model_name, delta, reason, req.include_usage)
-
-    return await _respond(ctx, req, request, ids, params, ("cmpl", "text_completion"), p.completion_body, chunks)
+    prompts = [
+        ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+        if isinstance(prompt, str)
+        else _check_ids(ctx, prompt)
+        for prompt in req.prompts()
+    ]
+    return await _answer(ctx, req, request, COMPLETIONS, prompts, req.max_tokens, req.logprobs)
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, responses=ANSWER_RESPONSES)
 async def chat(req: p.ChatCompletionRequest, request: Request, ctx: Ctx) -> Response:
     _check_model(ctx, req.model)
     req.check_unsupported()
-    if not req.messages:
-        raise bad_request("messages must not be empty", "messages", "empty_messages")
+    logprobs = req.engine_logprobs()
     try:
         prompt = ctx.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages])
     except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's 400
-        raise bad_request(f"cannot render the chat template: {e}", "messages") from e
-    ids = ctx.tokenizer.encode(prompt)
-    params = req.sampling_params(req.resolved_max_tokens())
-
-    async def chunks(rid: str, created: int, handle: RequestHandle, text: TextStream) -> AsyncIterator[dict]:
-        name, with_usage = ctx.model_name, req.include_usage
-        yield p.chat_chunk(rid, created, name, {"role": "assistant", "content": ""}, None, with_usage)
-        async for delta, reason in _updates(handle, text):
-            if delta:
-                yield p.chat_chunk(rid, created, name, {"content": delta}, None, with_usage)
-            if reason is not None:
-                yield p.chat_chunk(rid, created, name, {}, reason, with_usage)
-
-    return await _respond(ctx, req, request, ids, params, ("chatcmpl", "chat.completion.chunk"), p.chat_body, chunks)
+        raise bad_request(f"cannot render the chat template: {shorten(str(e))}", "messages") from e
+    ids = ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+    return await _answer(ctx, req, request, CHAT, [ids], req.resolved_max_tokens(), logprobs)

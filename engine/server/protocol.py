@@ -1,47 +1,94 @@
-"""Request models and response bodies of the OpenAI completions and chat APIs (the subset we serve).
+"""Request models and response bodies of the OpenAI completions and chat APIs, with vLLM's extensions.
 
-Unknown fields are ignored (as OpenAI-compatible servers do, so newer clients keep working), but fields
-whose non-default value would change the answer and that we do not implement (n > 1, echo, logprobs,
-penalties, best_of) are rejected with a 400 by `check_unsupported` instead of being silently dropped.
+Requests are validated strictly: a token id is an integer (not `false`, not `1.5`), a number is not a
+string. So /openapi.json, which these models generate, says what the server accepts.
+
+Unknown fields are ignored, as OpenAI-compatible servers do so that newer clients keep working, except
+those in `UNSUPPORTED`: fields of OpenAI's or vLLM's API whose value would change the answer and that this
+server does not implement (tools, response formats, logit bias, guided decoding, ...). Set to anything but a
+harmless value, such a field is a 400 naming it, never silently dropped.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import SamplingParams
-from engine.server.errors import bad_request
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.server.errors import bad_request, clip
+
+MAX_N = 128  # OpenAI's bound on n: each choice is an engine request
+
+# field -> the values that change nothing (None never does); any other value is a 400 naming the field
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "echo": (False,),
+    "prompt_logprobs": (),
+    "min_p": (0,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": ([],),
+    "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "reasoning_effort": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "web_search_options": (),
+}
+
+TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Strict):
     """The fields both endpoints share, with OpenAI's defaults; vLLM's extensions at the end."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
-    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = None  # None: 0
+    frequency_penalty: float | None = None  # None: 0
     # vLLM extensions
+    repetition_penalty: float | None = None  # None: 1 (off)
+    top_k: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -50,25 +97,31 @@ class SamplingFields(BaseModel):
         return stops
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"only n=1 is supported, got n={self.n}", "n", "unsupported_value")
-        if self.logprobs not in (None, False):
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported (only 0)", name, "unsupported_value")
+        for name, value in (self.model_extra or {}).items():
+            harmless = UNSUPPORTED.get(name)
+            if harmless is not None and value is not None and value not in harmless:
+                allowed = ", ".join(map(repr, harmless)) or "null"
+                raise bad_request(
+                    f"{name} is not supported by this server (accepted only as: {allowed})", name, "unsupported_field"
+                )
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """Engine parameters; their range checks run in the engine (RequestError -> 400 with `param`)."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, sample: int) -> SamplingParams:
+        """Engine parameters for the `sample`-th choice of a prompt: with `seed`, sample j uses seed + j, as
+        vLLM's parallel sampling does. Range checks run in the engine (RequestError -> 400 with `param`)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + sample,
             stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logprobs=logprobs,
         )
 
     @property
@@ -77,55 +130,83 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top k besides the chosen token
     best_of: int | None = None
-    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: completions get BOS
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo", "unsupported_value")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of is not supported", "best_of", "unsupported_value")
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix", "unsupported_value")
+        if self.best_of not in (None, self.n):
+            raise bad_request(
+                f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})",
+                "best_of",
+                "unsupported_field",
+            )
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: a string or token ids (a batch of one is unwrapped; larger batches are 400)."""
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, as text or token ids (one prompt is a batch of one)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(Strict):
+    type: str
+    text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+ROLES = Literal["system", "developer", "user", "assistant", "tool"]
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+class ChatMessage(Strict):
+    role: ROLES
+    content: str | list[ContentPart] | None = None
+    tool_call_id: str | None = None  # tool messages answer this call
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as the template may render them
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        for part in self.content if isinstance(self.content, list) else []:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"only text content parts are supported, got type {clip(part.type)}")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        """What the chat template sees: `developer` is OpenAI's newer name for `system`."""
+        parts = self.content if isinstance(self.content, list) else None
+        content = "".join(p.text or "" for p in parts) if parts is not None else self.content or ""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = False  # vLLM: the chat template already writes BOS
 
     def resolved_max_tokens(self) -> int | None:
         """None means 'up to the context' (OpenAI's chat default)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def engine_logprobs(self) -> int | None:
+        """The engine's k (top entries besides the chosen token), or None when logprobs are off."""
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses ---------------------------------------------------------------------------------------
@@ -147,68 +228,22 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_body(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, int]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": use,
-    }
+def envelope(rid: str, created: int, model: str, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every body and chunk of one answer shares."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
 
 
-def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None, with_usage: bool
-) -> dict[str, Any]:
-    body = completion_body(rid, created, model, text, finish_reason, {})
-    if with_usage:
-        body["usage"] = None
-    else:
-        del body["usage"]
-    return body
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_body(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, int]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": use,
-    }
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_chunk(
-    rid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None, with_usage: bool
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if with_usage:
-        body["usage"] = None
-    return body
-
-
-def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, int]) -> dict[str, Any]:
-    """The final chunk of a stream with include_usage: no choices, only usage (as OpenAI sends it)."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+def chat_delta(index: int, delta: dict[str, str], logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class ModelCard(BaseModel):
@@ -216,4 +251,5 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "headroom"
+    root: str | None = None  # the model behind the name
     max_model_len: int | None = None

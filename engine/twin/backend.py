@@ -75,6 +75,7 @@ class TwinBackend:
         self.model_name = str(self.profile.data["model_name"])
         self.max_model_len = min(max_model_len or int(model["max_model_len"]), int(model["max_model_len"]))
         self.eos_token_ids = {int(model["eos_token_id"])}
+        self.vocab_size = int(model["vocab"])  # the API checks prompt token ids against it
         self.logits_all = bool(eng["logits_all_prompt_tokens"])
         self.latency = _latency_model(self.profile)  # read-only after construction: shared
         self.memory = MemoryModel(self.profile, num_blocks, block_size)
