@@ -3,7 +3,6 @@ API key a 401, and a dead engine loop a 503 on /health (never a 500, never a han
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,7 +10,6 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from controller.baselines import FixedPolicy
 from engine.llm_engine import LLMEngine
@@ -20,6 +18,7 @@ from engine.server.async_engine import AsyncEngine
 from engine.server.context import AppContext
 from engine.server.standin import StandInTokenizer
 from tests.fake_backend import FakeBackend
+from tests.inprocess_server import serve_app
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -159,23 +158,10 @@ class FailingBackend(FakeBackend):
 
 @contextmanager
 def serve_in_thread(failure: type[BaseException]) -> Iterator[tuple[str, AsyncEngine]]:
-    """The app under uvicorn in a thread: real sockets, so a stream and a second request can overlap."""
     server = AsyncEngine(LLMEngine(FailingBackend(failure), FixedPolicy()), max_waiting=8)
     app = create_app(AppContext(server, model_name="fake", tokenizer=StandInTokenizer(), vocab_size=1000))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical")
-    sock = config.bind_socket()
-    runner = uvicorn.Server(config)
-    thread = threading.Thread(target=runner.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not runner.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "in-thread server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        runner.should_exit = True
-        thread.join(30)
+    with serve_app(app) as url:
+        yield url, server
 
 
 @pytest.mark.parametrize("failure", [RuntimeError, torch.OutOfMemoryError])
