@@ -11,11 +11,13 @@ step); the engine then reports the step's record to `observe()`, which feeds
 and precomputes the next step's thresholds (see _refresh for the three checks on a prefill chunk).
 `state()` is GET /controller/state; `update_config()` patches gains atomically at run time.
 `observe_finished()` hands each finished request's output length to the KV reservation.
+
+Not thread-safe, by design: the engine thread owns the policy, and the server reaches it through the
+engine's command queue (engine/server/async_engine.py), so no call here needs a lock.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable
 from operator import add
@@ -41,7 +43,6 @@ class AdaptivePolicy:
     def __init__(self, config: ControllerConfig | None = None) -> None:
         self.cfg = config or ControllerConfig()
         c = self.cfg
-        self._lock = threading.RLock()
         self.estimator = PeakEstimator(**self._estimator_gains(c))
         # bytes a step leaves allocated into the next one (see budget.py): outputs of the step, so the
         # rows it computes matter, not its context or attention
@@ -192,61 +193,57 @@ class AdaptivePolicy:
         return reason
 
     def observe(self, record: StepRecord) -> None:
-        with self._lock:
-            self._observe(record)
+        self._observe(record)
 
     def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
         """A request finished; its output length teaches the KV reservation (aborts and errors do not)."""
         if reason in ("stop", "length"):
-            with self._lock:
-                self.kv.observe_finished(output_len, max_tokens)
+            self.kv.observe_finished(output_len, max_tokens)
 
     def state(self) -> dict[str, Any]:
-        with self._lock:
-            b = self.budget.budget
-            est = self.estimator
-            return {
-                "policy": self.name,
-                "step": self._step,
-                "limits": self._limits.as_dict(),
-                "effective_prefill_tokens": self.effective_prefill_tokens(),
-                "budget": {**b.as_dict(), "scale": self.law.scale,
-                           "effective": int(self.law.scale * b.usable)},
-                "estimator": {
-                    "coefficients": est.coefficients(),
-                    "margin": {"prefill": est.relative_margin(True), "decode": est.relative_margin(False),
-                               "floor_bytes": int(est.margin_floor * MIB)},
-                    "samples": est.total_samples,
-                    "trained": est.trained,
-                    "resets": est.resets,
-                    "last_residual": est.last_residual,
-                    "last_prediction_bytes": int(self._last_pred * MIB),
-                    "last_peak_bytes": None if self._last_peak is None else int(self._last_peak * MIB),
-                },
-                "law": self.law.state(),
-                "emergency": self.law.emergency,
-                "kv_reservation": self.kv.state(),
-                "counters": dict(self.counters),
-                "decisions": [{**d, "reason": d["reason"]()} if callable(d["reason"]) else d
-                              for d in self.decisions],
-                "config": self.cfg.as_dict(),
-            }
+        b = self.budget.budget
+        est = self.estimator
+        return {
+            "policy": self.name,
+            "step": self._step,
+            "limits": self._limits.as_dict(),
+            "effective_prefill_tokens": self.effective_prefill_tokens(),
+            "budget": {**b.as_dict(), "scale": self.law.scale,
+                       "effective": int(self.law.scale * b.usable)},
+            "estimator": {
+                "coefficients": est.coefficients(),
+                "margin": {"prefill": est.relative_margin(True), "decode": est.relative_margin(False),
+                           "floor_bytes": int(est.margin_floor * MIB)},
+                "samples": est.total_samples,
+                "trained": est.trained,
+                "resets": est.resets,
+                "last_residual": est.last_residual,
+                "last_prediction_bytes": int(self._last_pred * MIB),
+                "last_peak_bytes": None if self._last_peak is None else int(self._last_peak * MIB),
+            },
+            "law": self.law.state(),
+            "emergency": self.law.emergency,
+            "kv_reservation": self.kv.state(),
+            "counters": dict(self.counters),
+            "decisions": [{**d, "reason": d["reason"]()} if callable(d["reason"]) else d
+                          for d in self.decisions],
+            "config": self.cfg.as_dict(),
+        }
 
     def update_config(self, patch: dict[str, Any]) -> None:
         """Validate and apply gains at run time, all or nothing (ValueError names the bad gain)."""
         new = self.cfg.replace(patch)
-        with self._lock:
-            self.cfg = new
-            self.estimator.configure(**self._estimator_gains(new))
-            self.retained.configure(**self._estimator_gains(new))
-            self.budget.configure(new.headroom_frac, new.headroom_min_mib, new.use_device_used)
-            self.law.configure(new)
-            self.kv.configure(new)
-            self._limits_key = None
-            self._refresh_key = None
-            self._refresh()
-            self._refresh_limits()
-            self._log("config", "gains updated: " + ", ".join(f"{k}={v}" for k, v in sorted(patch.items())))
+        self.cfg = new
+        self.estimator.configure(**self._estimator_gains(new))
+        self.retained.configure(**self._estimator_gains(new))
+        self.budget.configure(new.headroom_frac, new.headroom_min_mib, new.use_device_used)
+        self.law.configure(new)
+        self.kv.configure(new)
+        self._limits_key = None
+        self._refresh_key = None
+        self._refresh()
+        self._refresh_limits()
+        self._log("config", "gains updated: " + ", ".join(f"{k}={v}" for k, v in sorted(patch.items())))
 
     # --- internals ------------------------------------------------------------------------------------
     def _observe(self, rec: StepRecord) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import tomllib
@@ -29,9 +30,34 @@ def _compose_binary() -> Path:
     return binary
 
 
-def compose(*args: str) -> subprocess.CompletedProcess:
+def compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [str(_compose_binary()), "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("HEADROOM_")}  # the user's own must not leak in
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**bare, **(env or {})})
+
+
+def published(profile: str, env: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """service -> the host addresses its ports are published on."""
+    proc = compose("--profile", profile, "config", "--format", "json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    return {name: {port.get("host_ip", "") for port in svc.get("ports", [])} for name, svc in services.items()}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_port_is_published_on_loopback_unless_the_user_binds_wider(profile: str) -> None:
+    by_default = published(profile)
+    assert set(by_default) == {PROFILES[profile], "prometheus", "grafana"}
+    assert all(hosts == {"127.0.0.1"} for hosts in by_default.values()), by_default
+    wide = published(profile, {"HEADROOM_BIND": "0.0.0.0"})
+    assert all(hosts == {"0.0.0.0"} for hosts in wide.values()), wide
+
+
+def test_the_server_gets_the_keys_from_the_environment() -> None:
+    proc = compose("--profile", "twin", "config", "--format", "json", env={"HEADROOM_ADMIN_KEY": "sesame"})
+    assert proc.returncode == 0, proc.stderr
+    env = json.loads(proc.stdout)["services"]["headroom-twin"]["environment"]
+    assert env["HEADROOM_ADMIN_KEY"] == "sesame" and env["HEADROOM_API_KEY"] == ""
 
 
 @pytest.mark.parametrize("profile", ["", *PROFILES])

@@ -10,8 +10,10 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
+from types import FrameType
 from typing import Any
 
 from engine.factory import add_engine_args, build_backend, build_policy
@@ -19,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
 from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
-from engine.server.context import AppContext
+from engine.server.context import AppContext, is_loopback
 from engine.server.standin import StandInTokenizer
 from telemetry.metrics import Metrics, RequestTiming
 from telemetry.trace import StepTrace
@@ -28,6 +30,7 @@ logger = logging.getLogger("headroom.server")
 
 DEFAULT_MAX_WAITING = 256
 TRACE_CAPACITY = 1024  # step records kept in memory for /controller/state
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +47,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="require this Bearer token on /v1/* (default: $HEADROOM_API_KEY; unset: no auth)",
+    )
+    g.add_argument(
+        "--admin-key",
+        default=None,
+        help="require this Bearer token on PATCH /controller/config (default: $HEADROOM_ADMIN_KEY; unset: the "
+        "--api-key; with neither, the endpoint is open on loopback and refused beyond it)",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT: stop admitting (503) and let open requests finish this long, then abort them",
     )
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="queued requests before 429")
     g.add_argument("--trace-file", default=None, help="write every step record as a JSON line here")
@@ -62,6 +78,8 @@ def build_app(args: argparse.Namespace) -> Any:
     """The ready-to-run FastAPI app (engine built, telemetry wired, loop not yet started)."""
     if args.max_waiting <= 0:
         raise SystemExit("--max-waiting must be positive")
+    if args.shutdown_grace < 0:
+        raise SystemExit("--shutdown-grace must not be negative")
     if args.backend == "torch":
         logger.info("loading model %s (device %s, dtype %s)", args.model, args.device, args.dtype)
     else:
@@ -101,9 +119,56 @@ def build_app(args: argparse.Namespace) -> Any:
         trace=trace,
         vocab_size=getattr(config, "vocab_size", None) or getattr(backend, "vocab_size", None),
         other_names=tuple(names[1:]),
+        admin_key=args.admin_key or os.environ.get("HEADROOM_ADMIN_KEY") or None,
+        bind_host=args.host,
     )
+    if ctx.admin_locked:
+        logger.warning(
+            "listening on %s, beyond loopback, with no --admin-key or --api-key: PATCH /controller/config "
+            "answers 403 (set --admin-key or $HEADROOM_ADMIN_KEY to allow it)",
+            args.host,
+        )
+    elif ctx.api_key is None and not is_loopback(args.host):
+        logger.warning("listening on %s, beyond loopback, with no --api-key: /v1/* is open to anyone", args.host)
     logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, args.max_waiting)
     return create_app(ctx)
+
+
+def draining_server(config: Any, engine: AsyncEngine, grace: float) -> Any:
+    """A uvicorn.Server whose first SIGTERM or SIGINT drains instead of stopping at once: new requests get
+    503 while the socket still answers, open ones finish (aborted after `grace` seconds), then uvicorn
+    shuts down. The signal is not re-raised afterwards, so a drained server exits 0 (uvicorn re-raises
+    it, and the process ends with 143). A second signal stops at once."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        draining: asyncio.Task[None] | None = None
+
+        async def serve(self, sockets: list[Any] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets=sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            """Runs in a signal handler: only hand the drain to the event loop (thread-safe wake-up)."""
+            if self.draining is not None or self.loop is None:
+                self.force_exit = self.should_exit
+                self.should_exit = True
+                return
+            logger.info("%s: draining (grace %.0f s)", signal.Signals(sig).name, grace)
+            self.loop.call_soon_threadsafe(self.start_drain)
+
+        def start_drain(self) -> None:
+            if self.draining is None:
+                self.draining = asyncio.get_running_loop().create_task(self.drain())
+
+        async def drain(self) -> None:
+            aborted = await engine.drain(grace)
+            if aborted:
+                logger.warning("aborted %d requests still open after the %.0f s grace period", aborted, grace)
+            self.should_exit = True
+
+    return DrainingServer(config)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -128,7 +193,7 @@ def serve(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{port}"
     logger.info("listening on %s", url)
-    server = uvicorn.Server(config)
+    server = draining_server(config, app.state.ctx.engine, args.shutdown_grace)
 
     async def run() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))

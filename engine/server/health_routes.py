@@ -26,9 +26,11 @@ def package_version() -> str:
 @router.get("/health", response_model=None, responses=error_responses(503))
 async def health(ctx: Ctx) -> Response:
     engine = ctx.engine
+    if engine.draining:  # out of a load balancer's rotation while the open requests finish
+        return JSONResponse(error_body(engine.dead_reason(), SERVER_ERROR, None, "shutting_down"), status_code=503)
     if engine.healthy:
         return JSONResponse({"status": "ok"})
-    reason = engine.dead_reason() if engine.error or not engine.engine.healthy else "the engine loop is not running"
+    reason = engine.dead_reason() if engine.error or not engine.snapshot.healthy else "the engine loop is not running"
     return JSONResponse(error_body(reason, SERVER_ERROR, None, "engine_dead"), status_code=503)
 
 
@@ -57,8 +59,7 @@ async def metrics(ctx: Ctx) -> Response:
     m.kv_usage.set(counters["kv_blocks_used"] / max(1, counters["kv_blocks_total"]))
     m.running.set(counters["num_running"])
     m.waiting.set(counters["num_waiting"])
-    core = ctx.engine.engine
-    m.observe_controller(controller_metrics(core.policy.state(), core.ooms_recovered))
+    m.observe_controller(controller_metrics(await ctx.engine.policy_state(), counters["ooms_recovered"]))
     return Response(m.exposition(), media_type=METRICS_CONTENT_TYPE)
 
 

@@ -1,0 +1,120 @@
+"""What an engine and a server are made of, in one place: frozen dataclasses, validated once.
+
+Each field is documented once, in its `help`: the CLI builds its flags from these fields (engine/cli.py),
+`LLM(...)` builds the config from keyword arguments, and a replica in another process gets the same engine
+from `to_json()` / `from_json()`. An unknown or misspelled field is an error that names it, never dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from telemetry.units import parse_bytes
+
+POLICIES = ("adaptive", "fixed", "seed-static")
+BACKENDS = ("torch", "twin")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTENTIONS = ("auto", "sdpa", "flash")
+
+
+class ConfigError(ValueError):
+    """A configuration that can never build: the message names the field."""
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine") -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+
+
+class _Config:
+    """Construction from a mapping that names every field it sets, and the JSON round trip."""
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> Self:
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = [k for k in values if k not in names]
+        if unknown:
+            hints = [f"{k!r}" + _did_you_mean(k, names) for k in unknown]
+            raise ConfigError(f"{source}: unknown {cls.__name__} field {', '.join(hints)}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        return cls.from_dict(json.loads(text), source="JSON")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def _check_choices(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive; got {value}")
+
+
+def _did_you_mean(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclass(frozen=True)
+class EngineConfig(_Config):
+    model: str = _opt("default", "'default' (SmolLM2-135M-Instruct), a GGUF file or an HF directory")
+    backend: str = _opt("torch", "torch (the real model) or twin (a simulated RTX 4090 + Llama-3.1-8B)", BACKENDS)
+    profile: str = _opt("rtx4090-llama3.1-8b", "twin profile")
+    device: str = _opt("auto", "torch device: auto, cpu, cuda, cuda:N")
+    dtype: str = _opt("auto", "weights and KV dtype; auto: bf16 on CUDA and on CPUs with fast bf16, else fp32", DTYPES)
+    attention: str = _opt("auto", "attention kernel", ATTENTIONS)
+    num_blocks: int | None = _opt(None, "KV blocks (default: the backend's choice)")
+    block_size: int | None = _opt(None, "tokens per KV block (default: torch 16, twin 256)")
+    device_memory: str | None = _opt(None, "emulated device capacity on CPU, e.g. 2GiB")
+    max_model_len: int | None = _opt(None, "cap the context length")
+    inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
+    realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
+    policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")
+    controller_config: str | None = _opt(None, "adaptive: controller config TOML", group="policy")
+    # The `fixed` policy's caps (controller/limits.py says where each is enforced); None: uncapped.
+    max_num_seqs: int | None = _opt(None, "fixed: running sequences", group="policy")
+    max_prefill_seqs: int | None = _opt(None, "fixed: prompts (or chunks) per step", group="policy")
+    max_decode_seqs: int | None = _opt(None, "fixed: decodes per step", group="policy")
+    max_prefill_tokens: int | None = _opt(None, "fixed: prompt tokens per step", group="policy")
+    max_num_batched_tokens: int | None = _opt(None, "fixed: tokens per step, decodes included", group="policy")
+    kv_reserve_ratio: float | None = _opt(None, "fixed: share of max_tokens reserved in KV at admission", group="policy")
+    mixed: bool | None = _opt(None, "fixed: prefill and decode may share a step", group="policy")
+    prefill_first: bool | None = _opt(None, "fixed: a step with waiting prompts is prefill-only", group="policy")
+
+    FIXED_CAPS = ("max_num_seqs", "max_prefill_seqs", "max_decode_seqs", "max_prefill_tokens",
+                  "max_num_batched_tokens", "kv_reserve_ratio", "mixed", "prefill_first")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_positive("num_blocks", "block_size", "max_model_len", *self.FIXED_CAPS[:5])
+        if not 0.0 <= self.inject_oom_rate < 1.0:
+            raise ConfigError(f"inject_oom_rate must be in [0, 1); got {self.inject_oom_rate}")
+        if self.kv_reserve_ratio is not None and not 0.0 <= self.kv_reserve_ratio <= 1.0:
+            raise ConfigError(f"kv_reserve_ratio must be in [0, 1]; got {self.kv_reserve_ratio}")
+        if self.device_memory is not None:
+            try:
+                parse_bytes(self.device_memory)
+            except ValueError as e:
+                raise ConfigError(f"device_memory: {e}") from e
+        caps = [name for name in self.FIXED_CAPS if getattr(self, name) is not None]
+        if caps and self.policy != "fixed":
+            raise ConfigError(f"{', '.join(caps)}: caps of the fixed policy, not of policy {self.policy!r}")
+
+    def fixed_caps(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.FIXED_CAPS if getattr(self, name) is not None}
