@@ -87,9 +87,10 @@ class ErrorResponse(BaseModel):
 ERROR_MEANING = {
     400: "Invalid request: malformed JSON, a value out of range, an unsupported field",
     401: "Missing or wrong API key",
+    403: "The controller's write endpoint is reachable beyond loopback and no admin key is set",
     404: "Not found: an unknown model, or a feature this server runs without",
     429: "Too many requests waiting: retry after the Retry-After header's seconds",
-    503: "The engine cannot serve (stopped, or failed after an out-of-memory error)",
+    503: "The engine cannot serve (shutting down, stopped, or failed after an out-of-memory error)",
 }
 
 
