@@ -8,9 +8,16 @@ from controller.limits import UNLIMITED, Limits
 from controller.policy import StaticPolicy
 
 # The seed engine's original scheduler: one global cap, prefill whenever requests wait, an unlimited token
-# budget, whole-request KV reservation, prefill and decode never in one step.
+# budget, whole-request KV reservation, prefill and decode never in one step. Its admission sizes a request
+# as floor(tokens / block) + 1 blocks (one slot past input + max_tokens): the mechanism docs/twin.md found
+# behind the twin running 11-14 % too fast where input + output is a multiple of 256 and KV binds.
 SEED_ORIGINAL = Limits(
-    max_num_seqs=64, kv_reserve_ratio=1.0, allow_mixed=False, prefill_first=True, chunked_prefill=False
+    max_num_seqs=64,
+    kv_reserve_ratio=1.0,
+    kv_reserve_extra_tokens=1,
+    allow_mixed=False,
+    prefill_first=True,
+    chunked_prefill=False,
 )
 
 

@@ -14,6 +14,7 @@ from controller.baselines import FixedPolicy, SeedStaticPolicy
 from engine.bench.loadgen import RunResult, run_closed_loop
 from engine.bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from engine.twin.backend import TwinBackend
 
 
@@ -80,3 +81,17 @@ def test_f6_seed_static_passes_every_full_point(con, inp, out, request):
 def test_f7_without_decode_first_a_long_prefill_beside_running_requests_ooms():
     assert fails_with_oom(point(SeedStaticPolicy(decode_first=False), 4, 4096, 1024, 40))
     assert passes(point(SeedStaticPolicy(), 4, 4096, 1024, 8))
+
+
+@pytest.mark.parametrize("inp,running", [(256, 10), (255, 12)])
+def test_seed_admission_reserves_floor_plus_one_blocks(inp, running):
+    """The seed sizes a request as floor(tokens / 256) + 1 blocks: 256 + 1024 tokens take 6 of the 64
+    blocks (10 run), 255 + 1024 take 5 (12 run). This is what held the seed below the twin at the KV-bound
+    points whose input + output is a multiple of 256 (docs/twin.md)."""
+    engine = LLMEngine(TwinBackend(num_blocks=64), SeedStaticPolicy())
+    params = SamplingParams(max_tokens=1024, ignore_eos=True)
+    for i in range(16):
+        engine.add_request(f"r{i}", [1 + i] * inp, params)
+    for _ in range(3):  # two prefill steps (cap 8) admit everything that fits
+        engine.step()
+    assert len(engine.scheduler.running) == running
