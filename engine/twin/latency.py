@@ -13,6 +13,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from engine.twin.memo import LRUMemo
 from engine.twin.profile import Profile
 
 US = 1e-6
@@ -104,7 +105,8 @@ class LatencyModel:
         self._pre_x = [float(x) for x in over["prefill_knots_tokens"]]
         self._pre_y = [float(y) * 1e-3 for y in over["prefill_knots_ms"]]
         self.per_max_token_s = float(over["per_max_token_us"]) * US
-        self._dec_const: dict[tuple[int, int, int], tuple] = {}
+        # per decode batch shape; bounded because a server may see every batch size up to its cap
+        self._dec_const: LRUMemo[tuple[int, int, int], tuple] = LRUMemo(4096)
 
     # -- kernels ---------------------------------------------------------------------------------
     def dense(self, tokens: int) -> float:
@@ -204,7 +206,7 @@ class LatencyModel:
         if const is None:
             dense = self._dense[n] if n <= self._dense_max else self.dense(n)
             const = (dense, _bracket(self._ndec, n), self.rows("lm_head", rows), self.rows("sampler", sampled))
-            self._dec_const[(n, rows, sampled)] = const
+            self._dec_const.put((n, rows, sampled), const)
         dense, (i0, i1, wx), lm, sm = const
         j0, j1, wy = _bracket(self._kvd, context / n)
         r0, r1 = self._dec[i0], self._dec[i1]
