@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from engine.bench.loadgen import load_trace, run_closed_loop, run_trace
-from engine.bench.report import markdown_table, metrics
+from engine.bench.report import latency_table, markdown_table, metrics
 from engine.bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.factory import add_engine_args, build_engine
 
@@ -61,8 +61,10 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
     return settings
 
 
-def _write(args: argparse.Namespace, doc: dict[str, object]) -> None:
+def _write(args: argparse.Namespace, doc: dict[str, object], details: str = "") -> None:
     table = markdown_table(doc["points"])  # type: ignore[arg-type]
+    if details:
+        table += "\n\n" + details
     print(table)
     if args.out:
         out = Path(args.out)
@@ -97,7 +99,7 @@ def _replay(args: argparse.Namespace) -> int:
     point = metrics(run, policy=args.policy, trace=str(args.trace), num_prompts=len(reqs))
     doc["wall_s"] = round(time.perf_counter() - t, 2)
     doc["points"] = [point]
-    _write(args, doc)
+    _write(args, doc, latency_table(point))
     return 0
 
 
@@ -115,7 +117,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--jobs", type=int, default=1, help="points run in parallel processes")
     m.set_defaults(func=_matrix)
     r = sub.add_parser("replay", help="open-loop replay of a JSONL trace")
-    r.add_argument("--trace", required=True, help="JSONL: input_toks, output_toks, arrival_time")
+    r.add_argument(
+        "--trace", required=True, help="vLLM per-request JSONL: request_id, input_toks, output_toks, arrival_time"
+    )
     r.set_defaults(func=_replay)
     for p in (m, r):
         add_engine_args(p, default_backend="twin", default_policy="seed-static")
