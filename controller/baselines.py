@@ -35,6 +35,28 @@ class FixedPolicy(StaticPolicy):
         super().__init__(replace(SEED_ORIGINAL, **caps))
 
 
+class VllmPolicy(StaticPolicy):
+    """vLLM v1's scheduler as the held-out vLLM 0.19 run configured it, so a trace can replay under vLLM's
+    rules and under the controller on the same twin: max_num_seqs 256, max_num_batched_tokens 2048, chunked
+    prefill with running requests (decodes) first and prompt chunks filling the rest of the token budget
+    (so at most one prefill is partial), FCFS, KV blocks allocated as tokens arrive (no reservation) and
+    preemption by recompute when decode runs out of them."""
+
+    name = "vllm"
+
+    def __init__(self) -> None:
+        super().__init__(
+            Limits(
+                max_num_seqs=256,
+                max_batched_tokens=2048,
+                kv_reserve_ratio=0.0,
+                allow_mixed=True,
+                prefill_first=False,
+                chunked_prefill=True,
+            )
+        )
+
+
 class SeedStaticPolicy(StaticPolicy):
     """The seed's final hand-tuned policy (calibration README): PREFILL_BATCH_CAP=8, DECODE_BATCH_CAP=24,
     LONG_CONTEXT_THRESHOLD=4096, LONG_CONTEXT_MAX_BATCH=1, DECODE_FIRST_WHEN_RUNNING=1."""

@@ -55,15 +55,17 @@ class TwinBackend:
     def __init__(
         self,
         profile: str | Profile = DEFAULT_PROFILE,
-        num_blocks: int = 64,
+        num_blocks: int | None = None,
         block_size: int | None = None,
         realtime: bool = False,
         max_model_len: int | None = None,
     ) -> None:
-        """`realtime`: sleep in execute() so virtual time tracks wall time (for `headroom serve`)."""
+        """`num_blocks`, `block_size` None: the profile's (the pool its engine ran with). `realtime`: sleep in
+        execute() so virtual time tracks wall time (for `headroom serve`)."""
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         eng, model = self.profile.section("engine"), self.profile.section("model")
         block_size = block_size or int(eng["default_block_size"])
+        num_blocks = int(eng["default_num_blocks"]) if num_blocks is None else num_blocks
         if block_size % int(eng["block_size_multiple"]) and block_size not in eng["extra_block_sizes"]:
             raise ValueError(
                 f"block size {block_size} is not supported by the paged attention of this profile: use a "
