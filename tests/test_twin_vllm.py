@@ -104,3 +104,15 @@ def test_300_request_replay_under_vllm_rules_acceptance():
     wall = time.perf_counter() - t
     assert m["completed"] == 300 and m["failed"] == 0 and m["ooms"] == 0
     assert wall < 60
+
+
+def test_decode_fast_path_is_exact_on_the_vllm_profile():
+    """The bench's decode fast path goes through the same graph-padded decode time as a scheduled step."""
+
+    def token_times(fast: bool) -> list:
+        engine = LLMEngine(TwinBackend(VLLM, num_blocks=300), VllmPolicy())
+        run = run_trace(engine, trace_requests(sharegpt_like_trace(40, request_rate=20.0, seed=5)), fast=fast)
+        assert run.preemptions > 0
+        return sorted((s.request_id, s.token_times) for s in run.sequences)
+
+    assert token_times(True) == token_times(False)
