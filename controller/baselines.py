@@ -8,9 +8,16 @@ from controller.limits import UNLIMITED, Limits
 from controller.policy import StaticPolicy
 
 # The seed engine's original scheduler: one global cap, prefill whenever requests wait, an unlimited token
-# budget, whole-request KV reservation, prefill and decode never in one step.
+# budget, whole-request KV reservation, prefill and decode never in one step. Its admission sizes a request
+# as floor(tokens / block) + 1 blocks (one slot past input + max_tokens): the mechanism docs/twin.md found
+# behind the twin running 11-14 % too fast where input + output is a multiple of 256 and KV binds.
 SEED_ORIGINAL = Limits(
-    max_num_seqs=64, kv_reserve_ratio=1.0, allow_mixed=False, prefill_first=True, chunked_prefill=False
+    max_num_seqs=64,
+    kv_reserve_ratio=1.0,
+    kv_reserve_extra_tokens=1,
+    allow_mixed=False,
+    prefill_first=True,
+    chunked_prefill=False,
 )
 
 
@@ -26,6 +33,28 @@ class FixedPolicy(StaticPolicy):
         ) < UNLIMITED
         caps.setdefault("chunked_prefill", budgeted)
         super().__init__(replace(SEED_ORIGINAL, **caps))
+
+
+class VllmPolicy(StaticPolicy):
+    """vLLM v1's scheduler as the held-out vLLM 0.19 run configured it, so a trace can replay under vLLM's
+    rules and under the controller on the same twin: max_num_seqs 256, max_num_batched_tokens 2048, chunked
+    prefill with running requests (decodes) first and prompt chunks filling the rest of the token budget
+    (so at most one prefill is partial), FCFS, KV blocks allocated as tokens arrive (no reservation) and
+    preemption by recompute when decode runs out of them."""
+
+    name = "vllm"
+
+    def __init__(self) -> None:
+        super().__init__(
+            Limits(
+                max_num_seqs=256,
+                max_batched_tokens=2048,
+                kv_reserve_ratio=0.0,
+                allow_mixed=True,
+                prefill_first=False,
+                chunked_prefill=True,
+            )
+        )
 
 
 class SeedStaticPolicy(StaticPolicy):

@@ -21,6 +21,9 @@ class Limits:
     # 1.0 is whole-request reservation (no preemption ever needed); 0.0 reserves the prompt only and
     # relies on preemption by recompute when decode runs out of blocks.
     kv_reserve_ratio: float = 0.0
+    # Token slots reserved at admission beyond the request's tokens and that share of its output. The seed
+    # engine sizes a request as floor(tokens / block) + 1 blocks, i.e. one slot more than it can write.
+    kv_reserve_extra_tokens: int = 0
     allow_mixed: bool = True  # prefill and decode may share a step
     prefill_first: bool = False  # when a prefill can be scheduled, the step is prefill-only (seed engine)
     chunked_prefill: bool = True  # a prompt may be split across steps

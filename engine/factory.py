@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from controller.baselines import FixedPolicy, SeedStaticPolicy
+from controller.baselines import FixedPolicy, SeedStaticPolicy, VllmPolicy
 from controller.limits import Limits
 from controller.policy import Policy
 from engine.faults import OOMInjector
 from engine.llm_engine import Backend, LLMEngine
 
-POLICIES = ("adaptive", "fixed", "seed-static")
+POLICIES = ("adaptive", "fixed", "seed-static", "vllm")
 # CLI flag -> Limits field, for the `fixed` policy's caps.
 FIXED_CAPS = {
     "max_num_seqs": int,
@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_backend: str = "torch", 
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     g.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flash"))
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: backend's choice)")
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (torch 16, twin 256)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (torch 16, twin: profile's)")
     g.add_argument("--device-memory", default=None, help="emulated device capacity on CPU, e.g. 2GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
     g.add_argument("--inject-oom-rate", type=float, default=0.0, help="test hook: fail this fraction of steps")
@@ -49,6 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_backend: str = "torch", 
 def build_policy(args: argparse.Namespace) -> Policy:
     if args.policy == "seed-static":
         return SeedStaticPolicy()
+    if args.policy == "vllm":
+        return VllmPolicy()
     if args.policy == "adaptive":
         from controller.adaptive import AdaptivePolicy
         from controller.config import load_config
@@ -76,8 +78,8 @@ def _plain_backend(args: argparse.Namespace) -> Backend:
 
         return TwinBackend(
             profile=args.profile,
-            num_blocks=args.num_blocks or 64,
-            block_size=args.block_size or 256,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
             realtime=getattr(args, "realtime", False),
         )
     from engine.torch_backend import TorchBackend

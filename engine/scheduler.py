@@ -138,16 +138,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def _reserved_blocks(self, seq: Sequence, ratio: float) -> int:
-        """Blocks `seq` may still claim: the rest of its known tokens plus `ratio` of its future output."""
-        future = int(ratio * seq.remaining_new_tokens + 0.999999)
+    def _reserved_blocks(self, seq: Sequence, lim: Limits) -> int:
+        """Blocks `seq` may still claim: the rest of its known tokens plus `kv_reserve_ratio` of its future
+        output, plus the policy's extra slots."""
+        future = int(lim.kv_reserve_ratio * seq.remaining_new_tokens + 0.999999) + lim.kv_reserve_extra_tokens
         return max(0, self.allocator.blocks_for(seq.num_tokens + future) - len(seq.block_table))
 
     def _schedule_prefills(self, lim: Limits, batch: ScheduledBatch) -> None:
         decoding = any(s.is_decode for s in self.running)
         long_in_batch = sum(it.seq.prompt_len >= lim.long_prompt_threshold for it in batch.items)
         partial = [s for s in self.running if not s.is_decode]  # chunked prefills in progress go first
-        outstanding = sum(self._reserved_blocks(s, lim.kv_reserve_ratio) for s in self.running)
+        outstanding = sum(self._reserved_blocks(s, lim) for s in self.running)
         for seq in partial + list(self.waiting):
             admitting = seq.status is Status.WAITING
             if batch.shape.prefill_seqs >= lim.max_prefill_seqs:
@@ -165,7 +166,7 @@ class Scheduler:
                 lim.max_batched_tokens - batch.shape.tokens,
             )
             # KV admission: a new sequence must fit beside every running one's outstanding reservation.
-            need = self._reserved_blocks(seq, lim.kv_reserve_ratio) if admitting else 0
+            need = self._reserved_blocks(seq, lim) if admitting else 0
             if admitting and need > self.allocator.num_free - outstanding:
                 batch.kv_blocked = True
                 break

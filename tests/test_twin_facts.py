@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from controller.baselines import FixedPolicy, SeedStaticPolicy
-from engine.bench.cli import SEED_MATRIX, num_requests
 from engine.bench.loadgen import RunResult, run_closed_loop
+from engine.bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from engine.twin.backend import TwinBackend
 
 
@@ -48,7 +49,7 @@ def test_f2_lone_4096_prefill_ooms_at_80_and_96_blocks(num_blocks):
 
 @pytest.mark.parametrize("con,inp,out", [(4, 4096, 1024), (16, 256, 256)])
 def test_f3_original_scheduler_ooms(con, inp, out):
-    assert fails_with_oom(point(FixedPolicy(), con, inp, out, num_requests(con)))
+    assert fails_with_oom(point(FixedPolicy(), con, inp, out, num_requests((con, inp, out))))
 
 
 @pytest.mark.parametrize("cap", [2, 3])
@@ -58,7 +59,7 @@ def test_f4_lower_global_cap_still_ooms_on_long_inputs(cap):
 
 @pytest.mark.parametrize("con", [16, 64])
 def test_f5_static_cap_of_8_passes(con):
-    assert passes(point(FixedPolicy(max_num_seqs=8), con, 256, 256, num_requests(con)))
+    assert passes(point(FixedPolicy(max_num_seqs=8), con, 256, 256, num_requests((con, 256, 256))))
 
 
 REDUCED = {1: 2, 4: 8, 16: 24, 64: 72}
@@ -74,9 +75,23 @@ def test_f6_seed_static_passes_every_point(con, inp, out):
 def test_f6_seed_static_passes_every_full_point(con, inp, out, request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the full matrix (~20 s): run with -m slow")
-    assert passes(point(SeedStaticPolicy(), con, inp, out, num_requests(con)))
+    assert passes(point(SeedStaticPolicy(), con, inp, out, num_requests((con, inp, out))))
 
 
 def test_f7_without_decode_first_a_long_prefill_beside_running_requests_ooms():
     assert fails_with_oom(point(SeedStaticPolicy(decode_first=False), 4, 4096, 1024, 40))
     assert passes(point(SeedStaticPolicy(), 4, 4096, 1024, 8))
+
+
+@pytest.mark.parametrize("inp,running", [(256, 10), (255, 12)])
+def test_seed_admission_reserves_floor_plus_one_blocks(inp, running):
+    """The seed sizes a request as floor(tokens / 256) + 1 blocks: 256 + 1024 tokens take 6 of the 64
+    blocks (10 run), 255 + 1024 take 5 (12 run). This is what held the seed below the twin at the KV-bound
+    points whose input + output is a multiple of 256 (docs/twin.md)."""
+    engine = LLMEngine(TwinBackend(num_blocks=64), SeedStaticPolicy())
+    params = SamplingParams(max_tokens=1024, ignore_eos=True)
+    for i in range(16):
+        engine.add_request(f"r{i}", [1 + i] * inp, params)
+    for _ in range(3):  # two prefill steps (cap 8) admit everything that fits
+        engine.step()
+    assert len(engine.scheduler.running) == running

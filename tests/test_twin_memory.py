@@ -10,7 +10,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSeq
 from engine.sequence import Sequence
 from engine.twin.backend import TwinBackend
-from engine.twin.memory import MIB, CachingAllocator, DeviceOOM, MemoryModel, StepMemory, segment_size
+from engine.twin.memo import LRUMemo
+from engine.twin.memory import MEMO_SIZE, MIB, CachingAllocator, DeviceOOM, MemoryModel, StepMemory, segment_size
 from engine.twin.profile import load_profile
 
 PROFILE = load_profile()
@@ -136,3 +137,37 @@ def test_memoized_steps_match_fresh_replays():
     for s, r in zip(shapes, results, strict=True):
         m2._memo.clear()
         assert m2.run_step(s) == r
+
+
+def test_memos_are_bounded_and_forgetting_changes_no_result():
+    """issue #13: a long-running twin server must not grow its memos without bound. A model with 4-entry
+    memos replays a long varied run exactly like one that remembers everything."""
+    shapes = [StepMemory(rows, min(rows, 8), p) for rows in (1, 8, 64, 300, 2048, 4096) for p in (0, 1, 4)]
+    run = [shapes[(i * 7) % len(shapes)] for i in range(200)]
+    small = MemoryModel(PROFILE, num_blocks=64, block_size=256, memo_size=4)
+    big = MemoryModel(PROFILE, num_blocks=64, block_size=256)
+    for s in run:
+        assert small.run_step(s) == big.run_step(s)
+        assert small.reserved == big.reserved and small.state == big.state
+        if small.ooms != big.ooms:
+            raise AssertionError("OOM counts diverged")
+    assert big.ooms > 0  # the run reaches the allocator's failure path too
+    assert len(small._memo) <= 4 and len(small._states) <= 4 and len(small._state_ids) <= 4
+    assert len(big._memo) > 4
+
+
+def test_lru_memo_drops_the_least_recently_used():
+    memo = LRUMemo(2)
+    memo.put("a", 1)
+    memo.put("b", 2)
+    assert memo.get("a") == 1  # a is now the newest
+    memo.put("c", 3)
+    assert memo.get("b") is None and memo.get("a") == 1 and memo.get("c") == 3 and len(memo) == 2
+    with pytest.raises(ValueError):
+        LRUMemo(0)
+
+
+def test_backend_sample_and_decode_memos_are_lru_memos():
+    b = TwinBackend(num_blocks=64)
+    assert isinstance(b._samples, LRUMemo) and b._samples.maxsize == MEMO_SIZE
+    assert isinstance(b.latency._dec_const, LRUMemo)

@@ -16,19 +16,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from engine.bench.loadgen import load_trace, run_closed_loop, run_trace
-from engine.bench.report import markdown_table, metrics
+from engine.bench.report import latency_table, markdown_table, metrics
+from engine.bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.factory import add_engine_args, build_engine
-
-# The seed matrix (calibration README): con {1,4} x in {32,256,4096} x out {256,1024,4096}
-# + con {16,64} x in {32,256} x out {256,1024,4096}.
-SEED_MATRIX = [(c, i, o) for c in (1, 4) for i in (32, 256, 4096) for o in (256, 1024, 4096)] + [
-    (c, i, o) for c in (16, 64) for i in (32, 256) for o in (256, 1024, 4096)
-]
-REQUESTS_PER_CONCURRENCY = {1: 20, 4: 40, 16: 80, 64: 128}
-
-
-def num_requests(concurrency: int) -> int:
-    return REQUESTS_PER_CONCURRENCY.get(concurrency, max(20, 2 * concurrency))
 
 
 def parse_points(text: str) -> list[tuple[int, int, int]]:
@@ -47,7 +37,7 @@ def run_point(args: argparse.Namespace, point: tuple[int, int, int]) -> dict[str
     """One closed-loop point on a fresh engine (fresh KV pool, allocator and policy state)."""
     con, inp, out = point
     engine = build_engine(args)
-    n = args.num_prompts or num_requests(con)
+    n = args.num_prompts or num_requests(point)
     t = time.perf_counter()
     run = run_closed_loop(engine, con, n, inp, out, fast=not args.no_fast_path)
     m = metrics(run, policy=args.policy, concurrency=con, input_len=inp, output_len=out, num_prompts=n)
@@ -71,8 +61,10 @@ def _settings(args: argparse.Namespace) -> dict[str, object]:
     return settings
 
 
-def _write(args: argparse.Namespace, doc: dict[str, object]) -> None:
+def _write(args: argparse.Namespace, doc: dict[str, object], details: str = "") -> None:
     table = markdown_table(doc["points"])  # type: ignore[arg-type]
+    if details:
+        table += "\n\n" + details
     print(table)
     if args.out:
         out = Path(args.out)
@@ -107,7 +99,7 @@ def _replay(args: argparse.Namespace) -> int:
     point = metrics(run, policy=args.policy, trace=str(args.trace), num_prompts=len(reqs))
     doc["wall_s"] = round(time.perf_counter() - t, 2)
     doc["points"] = [point]
-    _write(args, doc)
+    _write(args, doc, latency_table(point))
     return 0
 
 
@@ -117,12 +109,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m = sub.add_parser("matrix", help="closed-loop matrix, like vllm bench serve --max-concurrency")
     m.add_argument("--points", type=parse_points, default=None, help='"con,in,out;..." (default: seed matrix)')
     m.add_argument(
-        "--num-prompts", type=int, default=None, help="requests per point (default: 20/40/80/128 at con 1/4/16/64)"
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per point (default: the seed's count there, engine/bench/seed_matrix.py)",
     )
     m.add_argument("--jobs", type=int, default=1, help="points run in parallel processes")
     m.set_defaults(func=_matrix)
     r = sub.add_parser("replay", help="open-loop replay of a JSONL trace")
-    r.add_argument("--trace", required=True, help="JSONL: input_toks, output_toks, arrival_time")
+    r.add_argument(
+        "--trace", required=True, help="vLLM per-request JSONL: request_id, input_toks, output_toks, arrival_time"
+    )
     r.set_defaults(func=_replay)
     for p in (m, r):
         add_engine_args(p, default_backend="twin", default_policy="seed-static")

@@ -42,7 +42,8 @@ def filler_prompt(index: int, length: int) -> list[int]:
 class TraceRequest:
     input_len: int
     output_len: int
-    arrival_time: float = 0.0  # seconds from the start of the run
+    arrival_time: float = 0.0  # seconds; absolute epoch or from the start: replay is relative to the first
+    request_id: str | None = None
 
 
 @dataclass
@@ -58,13 +59,30 @@ class RunResult:
     preemptions: int = 0
 
 
+TRACE_FIELDS = ("input_toks", "output_toks", "arrival_time")
+
+
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """JSONL with `input_toks`, `output_toks`, `arrival_time` per line (blank lines ignored)."""
+    """vLLM's per-request JSONL: `request_id` (optional), `input_toks`, `output_toks`, `arrival_time`
+    (absolute epoch seconds are fine: run_trace replays relative to the first arrival), one request a
+    line. Other fields are ignored, blank lines skipped; a malformed line is a ValueError naming it."""
     out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             d = json.loads(line)
-            out.append(TraceRequest(int(d["input_toks"]), int(d["output_toks"]), float(d["arrival_time"])))
+            missing = [k for k in TRACE_FIELDS if k not in d]
+            if missing:
+                raise ValueError(f"missing {', '.join(missing)}")
+            req = TraceRequest(int(d["input_toks"]), int(d["output_toks"]), float(d["arrival_time"]))
+            if req.input_len < 1 or req.output_len < 1:
+                raise ValueError("input_toks and output_toks must be at least 1")
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}:{n}: not a trace record ({e})") from e
+        rid = d.get("request_id")
+        req.request_id = None if rid is None else str(rid)
+        out.append(req)
     return out
 
 

@@ -4,7 +4,8 @@ Why the same names: results must be comparable line by line with the seed's cali
 runs of real servers. Definitions (vLLM's): TTFT = first token - request sent; TPOT = (e2e - TTFT) /
 (output tokens - 1) per request; ITL = every gap between consecutive tokens of a request; E2EL = last
 token - request sent; throughputs count successful requests only, over the run's duration; percentiles
-are numpy's (linear interpolation).
+are numpy's (linear interpolation), reported at 90, 95 and 99 as `vllm bench serve --metric-percentiles
+90,95,99` names them (p90_ttft_ms, ...).
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ import numpy as np
 from engine.bench.loadgen import RunResult
 
 MS = 1e3
+PERCENTILES = (90, 95, 99)
 
 
 def _stats(prefix: str, values: list[float]) -> dict[str, float]:
-    if not values:
-        return {f"mean_{prefix}_ms": 0.0, f"median_{prefix}_ms": 0.0, f"p99_{prefix}_ms": 0.0}
     a = np.asarray(values, dtype=float) * MS
-    return {
-        f"mean_{prefix}_ms": float(a.mean()),
-        f"median_{prefix}_ms": float(np.median(a)),
-        f"p99_{prefix}_ms": float(np.percentile(a, 99)),
+    empty = not len(a)
+    out = {
+        f"mean_{prefix}_ms": 0.0 if empty else float(a.mean()),
+        f"median_{prefix}_ms": 0.0 if empty else float(np.median(a)),
     }
+    for p in PERCENTILES:
+        out[f"p{p}_{prefix}_ms"] = 0.0 if empty else float(np.percentile(a, p))
+    return out
 
 
 def metrics(run: RunResult, **point: object) -> dict[str, object]:
@@ -89,4 +92,16 @@ def markdown_table(points: Iterable[dict[str, object]]) -> str:
                 vals = [v / MS for v in vals]
             cells.append(fmt.format(*vals))
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"))
+
+
+def latency_table(point: dict[str, object]) -> str:
+    """One point's latency distributions as `vllm bench serve` prints them: mean, median and percentiles."""
+    stats = ("mean", "median", *(f"p{p}" for p in PERCENTILES))
+    lines = ["| ms | " + " | ".join(stats) + " |", "|" + "---|" * (len(stats) + 1)]
+    for label, key in LATENCIES:
+        lines.append(f"| {label} | " + " | ".join(f"{point[f'{s}_{key}_ms']:.2f}" for s in stats) + " |")
     return "\n".join(lines)

@@ -9,12 +9,13 @@ of CPU instead of hours of GPU, and deterministically (same inputs, same OOMs, s
 from __future__ import annotations
 
 import time
-from functools import cache
+from functools import lru_cache
 
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
 from engine.twin.latency import LatencyModel, StepWork
-from engine.twin.memory import MemoryModel, StepMemory, StepResult
+from engine.twin.memo import LRUMemo
+from engine.twin.memory import MEMO_SIZE, MemoryModel, StepMemory, StepResult
 from engine.twin.profile import DEFAULT_PROFILE, Profile, load_profile
 from telemetry.probes.null import NullProbe
 from telemetry.record import MemorySample, StepShape
@@ -28,7 +29,7 @@ def filler_token(position: int) -> int:
     return FILLER_BASE + position % FILLER_SPAN
 
 
-@cache
+@lru_cache(maxsize=8)
 def _latency_model(profile: Profile) -> LatencyModel:
     return LatencyModel(profile)
 
@@ -55,15 +56,17 @@ class TwinBackend:
     def __init__(
         self,
         profile: str | Profile = DEFAULT_PROFILE,
-        num_blocks: int = 64,
+        num_blocks: int | None = None,
         block_size: int | None = None,
         realtime: bool = False,
         max_model_len: int | None = None,
     ) -> None:
-        """`realtime`: sleep in execute() so virtual time tracks wall time (for `headroom serve`)."""
+        """`num_blocks`, `block_size` None: the profile's (the pool its engine ran with). `realtime`: sleep in
+        execute() so virtual time tracks wall time (for `headroom serve`)."""
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         eng, model = self.profile.section("engine"), self.profile.section("model")
         block_size = block_size or int(eng["default_block_size"])
+        num_blocks = int(eng["default_num_blocks"]) if num_blocks is None else num_blocks
         if block_size % int(eng["block_size_multiple"]) and block_size not in eng["extra_block_sizes"]:
             raise ValueError(
                 f"block size {block_size} is not supported by the paged attention of this profile: use a "
@@ -86,7 +89,8 @@ class TwinBackend:
         self._wall0 = time.monotonic()
         self.steps = 0
         self.busy_time = 0.0
-        self._samples: dict[tuple, MemorySample] = {}  # identical steps report one (read-only) sample
+        # identical steps report one (read-only) sample; the key holds cumulative counters, hence the bound
+        self._samples: LRUMemo[tuple, MemorySample] = LRUMemo(MEMO_SIZE)
 
     # -- clock -----------------------------------------------------------------------------------
     def now(self) -> float:
@@ -136,11 +140,11 @@ class TwinBackend:
         if self.now() >= until:
             return False
         m = self.memory
-        saved = (m.state_id, m.held, m.retries, m.ooms)
+        saved = m.checkpoint()
         mem = StepMemory(n, n, 0)  # every decode row is sampled, so logits rows = n either way
         res = m.run_step(mem)
         if res.oom is not None:
-            m.state_id, m.held, m.retries, m.ooms = saved
+            m.restore(saved)
             return False
         self._finish_step(self.latency.decode_step_time(n, context, n, n), res)
         return True
@@ -155,7 +159,7 @@ class TwinBackend:
         skey = (res, m.state_id, m.retries, m.ooms)
         sample = self._samples.get(skey)
         if sample is None:
-            sample = self._samples[skey] = self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before)
+            sample = self._samples.put(skey, self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before))
         self.probe.pending = self.probe._last = sample
         start = self.now()
         self.steps += 1

@@ -13,6 +13,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from engine.twin.memo import LRUMemo
 from engine.twin.profile import Profile
 
 US = 1e-6
@@ -104,13 +105,23 @@ class LatencyModel:
         self._pre_x = [float(x) for x in over["prefill_knots_tokens"]]
         self._pre_y = [float(y) * 1e-3 for y in over["prefill_knots_ms"]]
         self.per_max_token_s = float(over["per_max_token_us"]) * US
-        self._dec_const: dict[tuple[int, int, int], tuple] = {}
+        # per decode batch shape; bounded because a server may see every batch size up to its cap
+        # CUDA graphs (profile [engine] cuda_graph_sizes): a decode-only step replays the smallest captured
+        # graph that holds its batch, so its dense layers run at that padded size.
+        self._graph_sizes = sorted(int(n) for n in profile.section("engine").get("cuda_graph_sizes", ()))
+        self._dec_const: LRUMemo[tuple[int, int, int], tuple] = LRUMemo(4096)
 
     # -- kernels ---------------------------------------------------------------------------------
     def dense(self, tokens: int) -> float:
         if tokens <= self._dense_max:
             return self._dense[tokens]
         return self._dense[self._dense_max] * tokens / self._dense_max
+
+    def graph_batch(self, n: int) -> int:
+        """The batch a decode-only step of `n` sequences runs at: the smallest CUDA graph that holds it, or
+        `n` itself (eager) past the largest graph or without graphs."""
+        i = bisect_right(self._graph_sizes, n - 1)
+        return self._graph_sizes[i] if i < len(self._graph_sizes) else n
 
     def rows(self, op: str, n: int) -> float:
         tab = self._rows[op]
@@ -202,9 +213,9 @@ class LatencyModel:
         depends only on the batch size cached."""
         const = self._dec_const.get((n, rows, sampled))
         if const is None:
-            dense = self._dense[n] if n <= self._dense_max else self.dense(n)
+            dense = self.dense(self.graph_batch(n))
             const = (dense, _bracket(self._ndec, n), self.rows("lm_head", rows), self.rows("sampler", sampled))
-            self._dec_const[(n, rows, sampled)] = const
+            self._dec_const.put((n, rows, sampled), const)
         dense, (i0, i1, wx), lm, sm = const
         j0, j1, wy = _bracket(self._kvd, context / n)
         r0, r1 = self._dec[i0], self._dec[i1]

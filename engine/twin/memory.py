@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from engine.twin.memo import LRUMemo
 from engine.twin.profile import Profile
 
 MIB = 1 << 20
@@ -21,6 +22,9 @@ SMALL_SEGMENT = 2 << 20
 MIN_LARGE_ALLOC = 10 << 20  # below this a large allocation gets a 20 MiB segment
 LARGE_SEGMENT = 20 << 20
 ROUND_LARGE = 2 << 20
+# Allocator states and (state, step) replays remembered. A matrix point visits a few dozen states and a
+# 300-request vLLM replay a few hundred; a long-running server forgets the least recently used past this.
+MEMO_SIZE = 8192
 
 
 def _round(size: int) -> int:
@@ -181,7 +185,8 @@ class StepResult(NamedTuple):
 
 
 class MemoryModel:
-    """Idle footprint + per-step allocator replay, memoized on (allocator state, step features).
+    """Idle footprint + per-step allocator replay, memoized on (allocator state, step features) in LRU
+    memos of `memo_size` entries (a forgotten replay is recomputed, with the same result).
 
     Persistent bytes (weights, KV pool, graph pools/workspaces) are allocated once at start-up in their
     own segments and never freed, so they only shrink the allocator's limit. The step trace allocates, in
@@ -190,7 +195,7 @@ class MemoryModel:
     next step's replace them (the engine keeps its previous output), so they are live during that step.
     """
 
-    def __init__(self, profile: Profile, num_blocks: int, block_size: int) -> None:
+    def __init__(self, profile: Profile, num_blocks: int, block_size: int, memo_size: int = MEMO_SIZE) -> None:
         dev, model, mem = profile.section("device"), profile.section("model"), profile.section("memory")
         self.cuda_total = int(dev["cuda_total_bytes"])
         self.nvml_total = int(dev["nvml_total_bytes"])
@@ -204,11 +209,13 @@ class MemoryModel:
         self.prob_row = model["vocab"] * 4
         self.per_prefill_seq = int(mem["prefill_seq_workspace_bytes"])
         self.retain_output = bool(mem["retain_previous_logits"])
-        # Between steps the allocator is just its key, interned to a small int for cheap memo lookups.
-        self._state_ids: dict[tuple, int] = {}
-        self._states: list[tuple] = []
-        self.state_id = self._intern(CachingAllocator(self.limit).key())
-        self._memo: dict[tuple, tuple[int, StepResult]] = {}
+        # Between steps the allocator is just its key, interned to an int for cheap memo lookups. Ids are
+        # never reused, so a memo entry naming a forgotten state is a miss, never a wrong state.
+        self._state_ids: LRUMemo[tuple, int] = LRUMemo(memo_size)
+        self._states: LRUMemo[int, tuple[tuple, int]] = LRUMemo(memo_size)  # id -> (key, reserved bytes)
+        self._next_id = 0
+        self.state_id, self._current = self._intern(CachingAllocator(self.limit).key())
+        self._memo: LRUMemo[tuple, tuple[int, StepResult]] = LRUMemo(memo_size)
         self.held = 0  # tag of the retained logits (0: none)
         self.retries = 0
         self.ooms = 0
@@ -218,22 +225,32 @@ class MemoryModel:
         """What nvidia-smi shows before the first step (fact F1)."""
         return self.context + self.persistent
 
-    def _intern(self, key: tuple) -> int:
+    def _intern(self, key: tuple) -> tuple[int, tuple[tuple, int]]:
         sid = self._state_ids.get(key)
-        if sid is None:
-            sid = self._state_ids[key] = len(self._states)
+        entry = self._states.get(sid) if sid is not None else None
+        if entry is None:
+            if sid is None:
+                sid, self._next_id = self._next_id, self._next_id + 1
+                self._state_ids.put(key, sid)
             segs, small = key[0], key[1]
-            self._states.append((key, sum(size for s in segs for size, _ in s) + small))
-        return sid
+            entry = self._states.put(sid, (key, sum(size for s in segs for size, _ in s) + small))
+        return sid, entry
 
     @property
     def state(self) -> tuple:
-        return self._states[self.state_id][0]
+        return self._current[0]
 
     @property
     def reserved(self) -> int:
         """Dynamic bytes the allocator holds from the driver now (cached or live)."""
-        return self._states[self.state_id][1]
+        return self._current[1]
+
+    def checkpoint(self) -> tuple:
+        """Everything a step changes, for `restore` (the bench's fast path undoes a step it will not take)."""
+        return self.state_id, self._current, self.held, self.retries, self.ooms
+
+    def restore(self, checkpoint: tuple) -> None:
+        self.state_id, self._current, self.held, self.retries, self.ooms = checkpoint
 
     @property
     def allocated(self) -> int:
@@ -269,7 +286,8 @@ class MemoryModel:
         new = 2 if held == 1 else 1  # two alternating tags keep memo keys small
         key = (self.state_id, m, held)
         hit = self._memo.get(key)
-        if hit is None:
+        entry = self._states.get(hit[0]) if hit is not None else None
+        if entry is None:
             a = CachingAllocator.from_key(self.limit, self.state)
             a.reset_peaks()
             before = a.allocated
@@ -287,9 +305,10 @@ class MemoryModel:
                     if tag != held:
                         a.free(tag)
             res = StepResult(a.peak_allocated, a.peak_reserved, before, a.retries, oom)
-            hit = (self._intern(a.key()), res)
-            self._memo[key] = hit
+            sid, entry = self._intern(a.key())
+            hit = self._memo.put(key, (sid, res))
         self.state_id, res = hit
+        self._current = entry
         self.retries += res.retries
         if res.oom is not None:
             self.ooms += 1
@@ -300,4 +319,4 @@ class MemoryModel:
     def empty_cache(self) -> None:
         a = CachingAllocator.from_key(self.limit, self.state)
         a.empty_cache()
-        self.state_id = self._intern(a.key())
+        self.state_id, self._current = self._intern(a.key())
