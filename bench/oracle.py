@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report_io import write_report  # noqa: E402
 
 from engine.bench.cli import run_point  # noqa: E402
-from engine.factory import engine_args  # noqa: E402
+from engine.cli import engine_config  # noqa: E402
 
 POINTS = [(1, 4096, 1024), (4, 4096, 1024), (16, 256, 1024), (16, 32, 4096), (64, 32, 1024), (64, 256, 256)]
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
@@ -38,8 +38,7 @@ def fixed_argv(prefill: int, decode: int, ratio: float) -> list[str]:
 
 def one(job: tuple[tuple[int, int, int], str, list[str]]) -> dict:
     point, policy, argv = job
-    args = engine_args(["--backend", "twin", "--policy", policy, *argv], num_prompts=None, no_fast_path=False)
-    m = run_point(args, point)
+    m = run_point(engine_config(["--backend", "twin", "--policy", policy, *argv]), point)
     m["argv"] = " ".join(argv)
     return m
 

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report_io import write_report  # noqa: E402
 
 from engine.bench.loadgen import TraceRequest, run_trace  # noqa: E402
-from engine.factory import build_engine, engine_args  # noqa: E402
+from engine.cli import engine_config  # noqa: E402
+from engine.factory import build_engine  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 from telemetry.record import StepRecord  # noqa: E402
 
@@ -188,7 +189,7 @@ def main() -> None:
     argv = ["--backend", "twin", "--policy", "adaptive"]
     if args.num_blocks:
         argv += ["--num-blocks", str(args.num_blocks)]
-    engine = build_engine(engine_args(argv))
+    engine = build_engine(engine_config(argv))
     rec = Recorder(engine)
     engine.step_listeners.append(rec)
     run = run_trace(engine, reqs)

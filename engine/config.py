@@ -16,7 +16,7 @@ from typing import Any, Self
 
 from telemetry.units import parse_bytes
 
-POLICIES = ("adaptive", "fixed", "seed-static")
+POLICIES = ("adaptive", "fixed", "seed-static", "vllm")
 BACKENDS = ("torch", "twin")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTIONS = ("auto", "sdpa", "flash")
@@ -26,8 +26,11 @@ class ConfigError(ValueError):
     """A configuration that can never build: the message names the field."""
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine") -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+def _opt(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine", flag: str | None = None
+) -> Any:
+    """A field with its one documentation; `flag` names its CLI flag where that is not --field-name."""
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group, "flag": flag})
 
 
 class _Config:
@@ -86,14 +89,14 @@ class EngineConfig(_Config):
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
     policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")
-    controller_config: str | None = _opt(None, "adaptive: controller config TOML", group="policy")
+    controller_config: str | None = _opt(None, "adaptive: controller config TOML", group="policy", flag="--config")
     # The `fixed` policy's caps (controller/limits.py says where each is enforced); None: uncapped.
     max_num_seqs: int | None = _opt(None, "fixed: running sequences", group="policy")
     max_prefill_seqs: int | None = _opt(None, "fixed: prompts (or chunks) per step", group="policy")
     max_decode_seqs: int | None = _opt(None, "fixed: decodes per step", group="policy")
     max_prefill_tokens: int | None = _opt(None, "fixed: prompt tokens per step", group="policy")
     max_num_batched_tokens: int | None = _opt(None, "fixed: tokens per step, decodes included", group="policy")
-    kv_reserve_ratio: float | None = _opt(None, "fixed: share of max_tokens reserved in KV at admission", group="policy")
+    kv_reserve_ratio: float | None = _opt(None, "fixed: share of max_tokens held in KV on admission", group="policy")
     mixed: bool | None = _opt(None, "fixed: prefill and decode may share a step", group="policy")
     prefill_first: bool | None = _opt(None, "fixed: a step with waiting prompts is prefill-only", group="policy")
 
@@ -118,3 +121,34 @@ class EngineConfig(_Config):
 
     def fixed_caps(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.FIXED_CAPS if getattr(self, name) is not None}
+
+
+@dataclass(frozen=True)
+class ServerConfig(_Config):
+    host: str = _opt("127.0.0.1", "bind address; beyond loopback, set --api-key and --admin-key", group="server")
+    port: int = _opt(8000, "0 picks a free port (the ready line shows it)", group="server")
+    served_model_name: tuple[str, ...] = _opt(
+        (), "names requests may use; responses carry the first (default: the model's own name and --model)",
+        group="server",
+    )  # fmt: skip
+    api_key: str | None = _opt(None, "Bearer token required on /v1/* (default: $HEADROOM_API_KEY)", group="server")
+    admin_key: str | None = _opt(
+        None, "Bearer token required on PATCH /controller/config (default: $HEADROOM_ADMIN_KEY, else --api-key; "
+        "with neither, that endpoint is open on loopback and refused beyond it)", group="server",
+    )  # fmt: skip
+    max_waiting: int = _opt(256, "requests queued for admission before new ones get 429", group="server")
+    shutdown_grace: float = _opt(
+        30.0, "on SIGTERM/SIGINT: stop admitting (503), let open requests finish this long, then abort them",
+        group="server",
+    )  # fmt: skip
+    trace_file: str | None = _opt(None, "write every step record as a JSON line here", group="server")
+    log_level: str = _opt("info", "server log level", ("debug", "info", "warning", "error"), "server")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))  # JSON gives a list
+        self._check_choices()
+        self._check_positive("max_waiting")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535]; got {self.port}")
+        if self.shutdown_grace < 0:
+            raise ConfigError(f"shutdown_grace must not be negative; got {self.shutdown_grace}")

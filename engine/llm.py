@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.factory import build_engine, engine_args
+from engine.config import EngineConfig
+from engine.factory import build_engine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -21,8 +22,12 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str = "default", engine: LLMEngine | None = None, **engine_options: object) -> None:
-        """Options are the CLI's engine flags in snake_case (policy, num_blocks, block_size, ...)."""
-        self.engine = engine or build_engine(engine_args(model=model, **engine_options))
+        """Options are EngineConfig's fields (policy, num_blocks, block_size, ...); a misspelled one is a
+        ConfigError that names it. Offline runs default to the `fixed` policy (no caps: the whole batch at once)."""
+        if engine is None:
+            cfg = EngineConfig.from_dict({"model": model, "policy": "fixed", **engine_options}, "LLM()")
+            engine = build_engine(cfg)
+        self.engine = engine
         self.tokenizer = self.engine.backend.tokenizer
         self._next_id = 0
 

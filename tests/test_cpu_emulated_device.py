@@ -17,7 +17,8 @@ import random
 
 import pytest
 
-from engine.factory import build_engine, engine_args
+from engine.cli import engine_config
+from engine.factory import build_engine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -28,7 +29,7 @@ REQUESTS, PROMPT_LEN, MAX_TOKENS = 32, 512, 8
 
 
 def run(policy: str) -> tuple[LLMEngine, list[Sequence]]:
-    engine = build_engine(engine_args([*DEVICE, "--policy", policy]))
+    engine = build_engine(engine_config([*DEVICE, "--policy", policy]))
     probe = engine.backend.probe
     probe.sample_every, probe.overhead_budget = 1, None  # track every step: every step can OOM
     rng = random.Random(0)

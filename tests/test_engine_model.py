@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.factory import build_engine, engine_args
+from engine.cli import engine_config
+from engine.factory import build_engine
 
 PROMPTS = [
     "The capital of France is",
@@ -65,7 +66,7 @@ def test_preemption_keeps_greedy_tokens(reference):
 
 
 def test_engine_rejects_prompt_longer_than_context():
-    engine = build_engine(engine_args(model="default", max_model_len=64))
+    engine = build_engine(engine_config(["--max-model-len", "64"]))
     from engine.llm_engine import RequestError
 
     with pytest.raises(RequestError, match="maximum context length"):

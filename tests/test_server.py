@@ -226,11 +226,14 @@ def test_text_stream_never_sends_text_a_stop_string_cuts(stop: str) -> None:
 
 def test_headroom_serve_is_registered_with_every_engine_flag() -> None:
     from engine.cli import build_parser
-    from engine.server.cli import serve
+    from engine.server.cli import configs
 
-    args = build_parser().parse_args(["serve", "--backend", "twin", "--port", "0", "--max-waiting", "3"])
-    assert args.func is serve and args.max_waiting == 3 and args.policy == "adaptive" and args.realtime
-    assert args.api_key is None and args.served_model_name is None and args.num_blocks is None
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--backend", "twin", "--port", "0", "--max-waiting", "3"])
+    ecfg, scfg = configs(parser, args)
+    assert scfg.max_waiting == 3 and scfg.port == 0 and ecfg.backend == "twin"
+    assert ecfg.policy == "adaptive" and ecfg.realtime
+    assert scfg.served_model_name == () and ecfg.num_blocks is None
 
 
 def test_standin_tokenizer_is_deterministic() -> None:

@@ -12,13 +12,17 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from engine.bench.loadgen import load_trace, run_closed_loop, run_trace
 from engine.bench.report import latency_table, markdown_table, metrics
 from engine.bench.seed_matrix import SEED_MATRIX, num_requests
-from engine.factory import add_engine_args, build_engine
+from engine.cli import add_config_flags, config_from_args
+from engine.config import EngineConfig
+from engine.factory import build_backend, build_engine
 
 
 def parse_points(text: str) -> list[tuple[int, int, int]]:
@@ -33,31 +37,31 @@ def parse_points(text: str) -> list[tuple[int, int, int]]:
     return points
 
 
-def run_point(args: argparse.Namespace, point: tuple[int, int, int]) -> dict[str, object]:
+def run_point(
+    cfg: EngineConfig, point: tuple[int, int, int], num_prompts: int | None = None, fast: bool = True
+) -> dict[str, object]:
     """One closed-loop point on a fresh engine (fresh KV pool, allocator and policy state)."""
     con, inp, out = point
-    engine = build_engine(args)
-    n = args.num_prompts or num_requests(point)
+    engine = build_engine(cfg)
+    n = num_prompts or num_requests(point)
     t = time.perf_counter()
-    run = run_closed_loop(engine, con, n, inp, out, fast=not args.no_fast_path)
-    m = metrics(run, policy=args.policy, concurrency=con, input_len=inp, output_len=out, num_prompts=n)
+    run = run_closed_loop(engine, con, n, inp, out, fast=fast)
+    m = metrics(run, policy=cfg.policy, concurrency=con, input_len=inp, output_len=out, num_prompts=n)
     m["wall_s"] = round(time.perf_counter() - t, 3)
     return m
 
 
-def _settings(args: argparse.Namespace) -> dict[str, object]:
+def _settings(cfg: EngineConfig) -> dict[str, object]:
     settings: dict[str, object] = {
         "command": "headroom " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "backend": args.backend,
-        "policy": args.policy,
-        "num_blocks": args.num_blocks,
-        "block_size": args.block_size,
+        "backend": cfg.backend,
+        "policy": cfg.policy,
+        "num_blocks": cfg.num_blocks,
+        "block_size": cfg.block_size,
     }
-    if args.backend == "twin":  # cheap to build: resolve the defaults exactly as the runs do
-        from engine.factory import build_backend
-
-        b = build_backend(args)
-        settings.update(profile=args.profile, model=b.model_name, num_blocks=b.num_blocks, block_size=b.block_size)
+    if cfg.backend == "twin":  # cheap to build: resolve the defaults exactly as the runs do
+        b = build_backend(cfg)
+        settings.update(profile=cfg.profile, model=b.model_name, num_blocks=b.num_blocks, block_size=b.block_size)
     return settings
 
 
@@ -75,32 +79,37 @@ def _write(args: argparse.Namespace, doc: dict[str, object], details: str = "") 
         print(f"wrote {out} and {md}", file=sys.stderr)
 
 
-def _matrix(args: argparse.Namespace) -> int:
+def _matrix(cfg: EngineConfig, args: argparse.Namespace) -> int:
     points = args.points or SEED_MATRIX
     t = time.perf_counter()
-    doc = _settings(args)
+    doc = _settings(cfg)
+    run = partial(run_point, cfg, num_prompts=args.num_prompts, fast=not args.no_fast_path)
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(run_point, [args] * len(points), points))
+            results = list(pool.map(run, points))
     else:
-        results = [run_point(args, p) for p in points]
+        results = [run(p) for p in points]
     doc["wall_s"] = round(time.perf_counter() - t, 2)
     doc["points"] = results
     _write(args, doc)
     return 0
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _replay(cfg: EngineConfig, args: argparse.Namespace) -> int:
     reqs = load_trace(args.trace)
     t = time.perf_counter()
-    doc = _settings(args)
-    engine = build_engine(args)
+    doc = _settings(cfg)
+    engine = build_engine(cfg)
     run = run_trace(engine, reqs, fast=not args.no_fast_path)
-    point = metrics(run, policy=args.policy, trace=str(args.trace), num_prompts=len(reqs))
+    point = metrics(run, policy=cfg.policy, trace=str(args.trace), num_prompts=len(reqs))
     doc["wall_s"] = round(time.perf_counter() - t, 2)
     doc["points"] = [point]
     _write(args, doc, latency_table(point))
     return 0
+
+
+def _run(p: argparse.ArgumentParser, command: Callable[..., int], args: argparse.Namespace) -> int:
+    return command(config_from_args(p, EngineConfig, args), args)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -115,14 +124,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="requests per point (default: the seed's count there, engine/bench/seed_matrix.py)",
     )
     m.add_argument("--jobs", type=int, default=1, help="points run in parallel processes")
-    m.set_defaults(func=_matrix)
     r = sub.add_parser("replay", help="open-loop replay of a JSONL trace")
     r.add_argument(
         "--trace", required=True, help="vLLM per-request JSONL: request_id, input_toks, output_toks, arrival_time"
     )
-    r.set_defaults(func=_replay)
-    for p in (m, r):
-        add_engine_args(p, default_backend="twin", default_policy="seed-static")
+    for p, command in ((m, _matrix), (r, _replay)):
+        add_config_flags(p, EngineConfig, backend="twin", policy="seed-static")
+        p.set_defaults(func=partial(_run, p, command))
         p.add_argument("--out", default=None, help="write the points as JSON here (and a .md beside it)")
         p.add_argument(
             "--no-fast-path",
