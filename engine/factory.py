@@ -28,7 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser, default_backend: str = "torch", 
     g.add_argument("--backend", choices=("torch", "twin"), default=default_backend)
     g.add_argument("--profile", default="rtx4090-llama3.1-8b", help="twin profile")
     g.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N")
-    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="auto: bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else float32",
+    )
     g.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flash"))
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: backend's choice)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (torch 16, twin 256)")

@@ -63,6 +63,8 @@ def build_app(args: argparse.Namespace) -> Any:
         logger.info("loading twin profile %s", args.profile)
     t0 = time.monotonic()
     backend = build_backend(args)
+    if args.backend == "torch":
+        logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
     logger.info(
         "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
         backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
