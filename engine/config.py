@@ -80,7 +80,9 @@ class EngineConfig(_Config):
     backend: str = _opt("torch", "torch (the real model) or twin (a simulated RTX 4090 + Llama-3.1-8B)", BACKENDS)
     profile: str = _opt("rtx4090-llama3.1-8b", "twin profile")
     device: str = _opt("auto", "torch device: auto, cpu, cuda, cuda:N")
-    dtype: str = _opt("auto", "weights and KV dtype; auto: bf16 on CUDA and on CPUs with fast bf16, else fp32", DTYPES)
+    dtype: str = _opt(
+        "auto", "weights and KV dtype; auto: bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else float32", DTYPES
+    )
     attention: str = _opt("auto", "attention kernel", ATTENTIONS)
     num_blocks: int | None = _opt(None, "KV blocks (default: the backend's choice)")
     block_size: int | None = _opt(None, "tokens per KV block (default: torch 16, twin 256)")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KVCache, paged_attention
+from engine.batch_invariance import padded_linear
 
 
 @dataclass
@@ -92,22 +93,28 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        min_rows: int = 1,
     ) -> torch.Tensor:
+        """min_rows: every linear runs over at least this many rows (LlamaModel.linear_min_rows)."""
         cfg, t = self.cfg, x.shape[0]
         h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.wqkv)
+        qkv = padded_linear(h, self.wqkv, min_rows)
         # q and k heads are adjacent in the fused output: rotate them with one set of ops
         qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k = (qk * cos + rotate_half(qk) * sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = paged_attention(q, k, v, kv_cache, meta)
-        x = x + F.linear(o.view(t, self.q_size), self.wo)
+        x = x + padded_linear(o.view(t, self.q_size), self.wo, min_rows)
         h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down)
+        gate, up = padded_linear(h, self.w_gate_up, min_rows).chunk(2, dim=-1)
+        return x + padded_linear(F.silu(gate) * up, self.w_down, min_rows)
 
 
 class LlamaModel(nn.Module):
+    # Rows every linear runs over at least (engine/batch_invariance.py): the backend sets it for paths
+    # whose kernels otherwise round a row differently when it runs alone.
+    linear_min_rows: int = 1
+
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
     ) -> None:
@@ -146,13 +153,18 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, meta, self.linear_min_rows)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(in_features, out_features) of every distinct linear the model runs, for the kernels' probe."""
+        weights = [self.lm_head, *(w for x in self.layers for w in (x.wqkv, x.wo, x.w_gate_up, x.w_down))]
+        return sorted({(w.shape[1], w.shape[0]) for w in weights})
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, D] for the rows that sample only (a prompt's other rows never reach the vocab matmul,
         the largest one in a small model). Returns float32 [S, V]."""
-        return F.linear(hidden, self.lm_head).float()
+        return padded_linear(hidden, self.lm_head, self.linear_min_rows).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused layout. The

@@ -14,6 +14,8 @@ from engine.attention import (
     check_backend,
     kv_cache_bytes_per_block,
 )
+from engine.batch_invariance import linear_min_rows
+from engine.dtype_choice import choose_dtype
 from engine.loaders import load
 from engine.sampler import Sampler
 from telemetry.probes import make_probe
@@ -24,22 +26,6 @@ if TYPE_CHECKING:
     from engine.scheduler import ScheduledBatch
 
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def resolve_attention(name: str, block_size: int, device: torch.device, dtype: torch.dtype) -> str:
@@ -60,7 +46,7 @@ class TorchBackend:
     def __init__(
         self,
         model: str = "default",
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = "auto",
         num_blocks: int | None = None,
         block_size: int = 16,
@@ -71,9 +57,12 @@ class TorchBackend:
         kv_memory_fraction: float = 0.5,
         seed: int | None = None,
     ) -> None:
-        """dtype: bfloat16 (default) is bitwise batch-invariant on CPU (a token's logits do not depend on what
-        else is in the batch); float32 runs 5x faster matmuls on CPU (MKL) but rounds rows differently for
-        small batches, so greedy outputs can differ between batched and alone.
+        """dtype: `auto` (default) is bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32
+        (engine/dtype_choice.py); `dtype_reason` says why. Batch invariance (a token's logits do not depend
+        on what else is in the batch) on CPU: attention keeps it on every path; bf16 linears keep it with
+        their inputs padded to `linear_min_rows` rows, as measured by engine/batch_invariance.py's probe
+        (oneDNN does not promise it); float32 linears (MKL) round a row differently by batch size, so
+        greedy outputs can differ between batched and alone. On CUDA nothing is promised.
         `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe
         and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
         weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
@@ -81,12 +70,14 @@ class TorchBackend:
         if device in (None, "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype)
+        choice = choose_dtype(dtype, self.device)
+        self.dtype, self.dtype_reason = choice.dtype, choice.reason
         self.block_size = block_size
         self.attention = resolve_attention(attention, block_size, self.device, self.dtype)
         capacity = parse_bytes(device_memory) if device_memory is not None else None
         loaded = load(model, self.dtype, self.device)
         self.model = loaded.model
+        self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name

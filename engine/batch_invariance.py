@@ -1,0 +1,69 @@
+"""Batch invariance of the model's linear layers on CPU: does a row's output depend on how many rows come
+with it?
+
+Greedy outputs are bitwise the same alone and batched only if every op computes a token's row the same
+way whatever the batch holds. Attention (engine/attention.py) is written for that; the linears run on
+vendor kernels that promise nothing of the kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
+(bench/results/batch_invariance.md):
+- bf16 (oneDNN): a row computed alone (1 row) can differ from the same row in a batch of 2 or more for
+  K=1536 (the MLP down projection). Padding every input to `BF16_MIN_ROWS` rows keeps the single-row
+  kernel out of the way; every row then matched for every batch of 1-300 rows and 512, 1024 on the
+  model's shapes. The kernels' authors do not guarantee it, so `linear_row_mismatch` checks it.
+- fp32 (MKL sgemm): rows differ between batches of 1, 2-4, 5-8 and 9-16 rows (different kernels by row
+  count); only padding to 16 rows made them match, which costs most of a batch-1 decode step, so fp32
+  is left unpadded and is not batch-invariant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+BF16_MIN_ROWS = 8
+# Batch sizes the probe compares: every small one (where kernels switch by row count) and a few large.
+PROBE_ROWS = (*range(1, 33), 47, 64, 129, 256)
+# Rows the probe checks in each batch: these first ones, and the batch's last row.
+PROBE_FIRST_ROWS = 16
+
+
+def linear_min_rows(device: torch.device, dtype: torch.dtype) -> int:
+    """Rows the model pads each linear's input to (1: no padding). Only CPU bf16 pads: there it costs
+    little (the step reads the same weights) and removes the one row-count-dependent kernel measured."""
+    return BF16_MIN_ROWS if device.type == "cpu" and dtype == torch.bfloat16 else 1
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """F.linear(x, weight) for x [T, K], computed over at least `min_rows` rows (zeros appended), so that
+    the kernel, and with it each row's summation order, is the one a batch of `min_rows` rows gets."""
+    rows = x.shape[0]
+    if rows >= min_rows:
+        return F.linear(x, weight)
+    return F.linear(F.pad(x, (0, 0, 0, min_rows - rows)), weight)[:rows]
+
+
+def linear_row_mismatch(
+    shapes: Iterable[tuple[int, int]],
+    dtype: torch.dtype,
+    min_rows: int = 1,
+    rows: Iterable[int] = PROBE_ROWS,
+    linear: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = padded_linear,
+) -> str | None:
+    """Probe the kernels on CPU: for each (in_features, out_features) shape, compute random rows one at a
+    time and in batches of each size in `rows` (the first PROBE_FIRST_ROWS rows and the last row of each
+    batch are compared). None when every row matched bitwise; else the first shape, batch size and rows
+    that differed."""
+    g = torch.Generator().manual_seed(0)
+    rows = sorted(rows)
+    checked = sorted({*range(min(PROBE_FIRST_ROWS, rows[-1])), *(m - 1 for m in rows)})
+    for k, n in shapes:
+        weight = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(rows[-1], k, generator=g).to(dtype)
+        alone = {i: linear(x[i : i + 1], weight, min_rows)[0] for i in checked}
+        for m in rows:
+            batched = linear(x[:m], weight, min_rows)
+            differ = [i for i in checked if i < m and not torch.equal(batched[i], alone[i])]
+            if differ:
+                return f"{dtype} linear {k}->{n}, min_rows {min_rows}: rows {differ[:8]} of a batch of {m} differ"
+    return None

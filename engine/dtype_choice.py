@@ -1,0 +1,97 @@
+"""The model's dtype: an explicit name, or `auto`, which takes bf16 only where its matmuls are fast.
+
+On a CPU without bf16 dot-product instructions torch runs bf16 matmuls in its own fp32-accumulating loop,
+about 7x slower than MKL's fp32 (bench/results/engine_cpu.md), so `auto` picks fp32 there. With AMX-BF16 or
+AVX512-BF16, and oneDNN allowed to use them, bf16 halves the weights' memory traffic and runs on oneDNN.
+On CUDA `auto` is bf16.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+AUTO = "auto"
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+# /proc/cpuinfo flags of the instructions that make bf16 matmuls fast (bf16 dot products)
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# ONEDNN_MAX_CPU_ISA values that stop oneDNN below its bf16 dot-product kernels (oneDNN's names)
+ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """What the bf16 decision reads about the CPU, gathered once so that tests can pass their own."""
+
+    model: str  # /proc/cpuinfo "model name", for the log
+    flags: frozenset[str]  # /proc/cpuinfo flags
+    onednn_bf16: bool  # torch's oneDNN says it runs bf16 on this CPU (honours ONEDNN_MAX_CPU_ISA)
+    onednn_max_isa: str | None  # ONEDNN_MAX_CPU_ISA, when set
+
+    def summary(self) -> str:
+        bf16 = [f for f in BF16_FLAGS if f in self.flags]
+        cap = f", ONEDNN_MAX_CPU_ISA={self.onednn_max_isa}" if self.onednn_max_isa else ""
+        return f"{self.model or 'unknown CPU'} (bf16 flags: {', '.join(bf16) or 'none'}{cap})"
+
+
+def read_cpu_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFacts:
+    """This machine's facts. Without /proc/cpuinfo (not Linux) no flags are known, so `auto` takes fp32."""
+    fields: dict[str, str] = {}
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return CpuFacts(
+        model=fields.get("model name", ""),
+        flags=frozenset(fields.get("flags", "").split()),
+        onednn_bf16=torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
+    )
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use {AUTO!r} or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cpu_has_fast_bf16(facts: CpuFacts) -> tuple[bool, str]:
+    """(fast, why): bf16 is fast when the CPU has bf16 dot products and oneDNN may use them."""
+    found = [f for f in BF16_FLAGS if f in facts.flags]
+    if not found:
+        return False, "no AMX-BF16 or AVX512-BF16 instructions"
+    if facts.onednn_max_isa and facts.onednn_max_isa.upper() in ISAS_WITHOUT_BF16:
+        return False, f"ONEDNN_MAX_CPU_ISA={facts.onednn_max_isa} keeps oneDNN off its bf16 kernels"
+    if not facts.onednn_bf16:
+        return False, f"{', '.join(found)} present but torch's oneDNN does not run bf16 here"
+    return True, f"{', '.join(found)} with oneDNN"
+
+
+def choose_dtype(requested: str | torch.dtype, device: torch.device, facts: CpuFacts | None = None) -> DtypeChoice:
+    """The dtype to run, and why: `requested` unless it is `auto`. `facts` None: read this machine's."""
+    if requested != AUTO:
+        return DtypeChoice(resolve_dtype(requested), "requested")
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, "auto: CUDA runs bf16 natively")
+    facts = facts or read_cpu_facts()
+    fast, why = cpu_has_fast_bf16(facts)
+    dtype = torch.bfloat16 if fast else torch.float32
+    return DtypeChoice(dtype, f"auto on {device.type}: {why} on {facts.summary()}")
