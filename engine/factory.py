@@ -40,10 +40,18 @@ def add_engine_args(p: argparse.ArgumentParser, default_backend: str = "torch", 
     g.add_argument("--config", default=None, help="controller config TOML")
     for name, kind in FIXED_CAPS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help="fixed policy cap")
-    g.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=None,
-                   help="fixed: prefill and decode may share a step")
-    g.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="fixed: a step with waiting prompts is prefill-only")
+    g.add_argument(
+        "--mixed",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fixed: prefill and decode may share a step",
+    )
+    g.add_argument(
+        "--prefill-first",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fixed: a step with waiting prompts is prefill-only",
+    )
 
 
 def build_policy(args: argparse.Namespace) -> Policy:
