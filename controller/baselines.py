@@ -28,9 +28,10 @@ class FixedPolicy(StaticPolicy):
     name = "fixed"
 
     def __init__(self, **caps: float | bool) -> None:
-        budgeted = caps.get("max_prefill_tokens", UNLIMITED) < UNLIMITED or caps.get(
-            "max_batched_tokens", UNLIMITED
-        ) < UNLIMITED
+        budgeted = (
+            caps.get("max_prefill_tokens", UNLIMITED) < UNLIMITED
+            or caps.get("max_batched_tokens", UNLIMITED) < UNLIMITED
+        )
         caps.setdefault("chunked_prefill", budgeted)
         super().__init__(replace(SEED_ORIGINAL, **caps))
 
