@@ -15,14 +15,11 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from controller.adaptive import AdaptivePolicy  # noqa: E402
-from telemetry.record import MemorySample, StepRecord, StepShape  # noqa: E402
+from controller.adaptive import AdaptivePolicy
+from telemetry.record import MemorySample, StepRecord, StepShape
 
 # CPU time of this process, not wall time: the cost is what the controller burns, and on a shared
 # machine wall time also counts whatever else ran meanwhile.

@@ -18,19 +18,15 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.kv_cache import BlockAllocator  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from engine.torch_backend import TorchBackend  # noqa: E402
+from engine.kv_cache import BlockAllocator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, ScheduledSeq
+from engine.sequence import Sequence
+from engine.torch_backend import TorchBackend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=None)
 

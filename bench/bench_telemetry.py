@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,13 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from telemetry.metrics import Metrics  # noqa: E402
-from telemetry.probes.cpu import CpuProbe  # noqa: E402
-from telemetry.probes.null import NullProbe  # noqa: E402
-from telemetry.record import MemorySample, StepRecord, StepShape  # noqa: E402
-from telemetry.trace import StepTrace  # noqa: E402
+from telemetry.metrics import Metrics
+from telemetry.probes.cpu import CpuProbe
+from telemetry.probes.null import NullProbe
+from telemetry.record import MemorySample, StepRecord, StepShape
+from telemetry.trace import StepTrace
 
 BATCH, CONTEXT = 8, 512
 

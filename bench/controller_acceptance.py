@@ -17,9 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from report_io import write_report  # noqa: E402
+from bench.report_io import write_report
 
 BLOCKS = (64, 80, 96)
 POLICIES = ("adaptive", "seed-static")

@@ -43,18 +43,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from itertools import product
 from pathlib import Path
 
+from bench.controller_acceptance import load
+from bench.report_io import write_report
+from engine.twin.latency import LatencyModel, StepWork
+from engine.twin.profile import DEFAULT_PROFILE, load_profile
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from controller_acceptance import load  # noqa: E402
-from report_io import write_report  # noqa: E402
-
-from engine.twin.latency import LatencyModel, StepWork  # noqa: E402
-from engine.twin.profile import DEFAULT_PROFILE, load_profile  # noqa: E402
 
 CLIENTS, REQUESTS, PROMPT, OUTPUT, POOL, BLOCK = 16, 80, 256, 1024, 64, 256
 ROUNDS = REQUESTS // CLIENTS
@@ -269,8 +266,10 @@ def main() -> None:
     ]
     for clients, pool, block, rounds in SMALL:
         blocks = blocks_held(block, 4 * block, block)
-        lines.append(f"| {clients} | {pool} | {block} | {rounds} | {lower_bound(clients, rounds, blocks, pool)} | "
-                     f"{exact_steps(clients, rounds, blocks, pool)} |")
+        lines.append(
+            f"| {clients} | {pool} | {block} | {rounds} | {lower_bound(clients, rounds, blocks, pool)} | "
+            f"{exact_steps(clients, rounds, blocks, pool)} |"
+        )
     write_report(a.out, lines)
 
 

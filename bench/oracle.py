@@ -15,14 +15,10 @@ import argparse
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from itertools import product
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from report_io import write_report  # noqa: E402
-
-from engine.bench.cli import run_point  # noqa: E402
-from engine.cli import engine_config  # noqa: E402
+from bench.cli import run_point
+from bench.report_io import write_report
+from engine.cli import engine_config
 
 POINTS = [(1, 4096, 1024), (4, 4096, 1024), (16, 256, 1024), (16, 32, 4096), (64, 32, 1024), (64, 256, 256)]
 PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)

@@ -20,12 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.report_io import write_report
+from engine.twin.profile import DEFAULT_PROFILE, load_profile
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from report_io import write_report  # noqa: E402
-
-from engine.twin.profile import DEFAULT_PROFILE, load_profile  # noqa: E402
 
 # (label, calibration key, twin JSON key)
 METRICS = [

@@ -15,13 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from report_io import write_report  # noqa: E402
-
-from engine.bench.report import LATENCIES, PERCENTILES  # noqa: E402
-from engine.bench.synthetic import sharegpt_like_trace, write_trace  # noqa: E402
-from engine.cli import main as headroom  # noqa: E402
+from bench.report import LATENCIES, PERCENTILES
+from bench.report_io import write_report
+from bench.synthetic import sharegpt_like_trace, write_trace
+from engine.cli import main as headroom
 
 PROFILE = "rtx4090-llama3.1-8b-vllm"
 POLICIES = ("vllm", "adaptive")
@@ -81,7 +78,7 @@ def main() -> None:
         "",
         *[f"- `{r['command']}`" for r in runs.values()],
         "",
-        f"Trace `{trace.name}` (engine/bench/synthetic.py, seed 0): {len(records)} requests over {span:.1f} s "
+        f"Trace `{trace.name}` (bench/synthetic.py, seed 0): {len(records)} requests over {span:.1f} s "
         f"(Poisson, {len(records) / span:.1f}/s), input tokens mean {sum(ins) / len(ins):.0f} (max {max(ins)}), "
         f"output tokens mean {sum(outs) / len(outs):.0f} (max {max(outs)}). Twin profile `{PROFILE}`: 2588 KV "
         "blocks of 16 for both policies (no controller-sized pool exists yet). Latencies are twin numbers "

@@ -29,17 +29,13 @@ import argparse
 import random
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from report_io import write_report  # noqa: E402
-
-from engine.bench.loadgen import TraceRequest, run_trace  # noqa: E402
-from engine.cli import engine_config  # noqa: E402
-from engine.factory import build_engine  # noqa: E402
-from engine.scheduler import ScheduledBatch  # noqa: E402
-from telemetry.record import StepRecord  # noqa: E402
+from bench.loadgen import TraceRequest, run_trace
+from bench.report_io import write_report
+from engine.cli import engine_config
+from engine.factory import build_engine
+from engine.scheduler import ScheduledBatch
+from telemetry.record import StepRecord
 
 MIB = 1 << 20
 # The limits memory sets (judged for settling and oscillation) and the trust-region caps, which follow

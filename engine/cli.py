@@ -18,7 +18,7 @@ from engine.config import ConfigError, EngineConfig
 C = TypeVar("C")
 
 # Subcommands living beside what they drive; each module has `register(subparsers)`.
-COMMAND_MODULES = ("engine.server.cli", "engine.bench.cli")
+COMMAND_MODULES = ("engine.server.cli", "bench.cli")
 
 
 def add_config_flags(p: argparse.ArgumentParser, cls: type, **defaults: Any) -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.bench.seed_matrix import SEED_MATRIX, num_requests
+from bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.cli import main
 
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from bench.loadgen import load_trace, run_trace
+from bench.report import latency_table, metrics
 from controller.baselines import FixedPolicy
-from engine.bench.loadgen import load_trace, run_trace
-from engine.bench.report import latency_table, metrics
 from engine.cli import main
 from engine.llm_engine import LLMEngine
 from engine.twin.backend import TwinBackend

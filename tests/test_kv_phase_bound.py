@@ -3,12 +3,7 @@ optimum of small instances (exhaustive search) and every rule the script simulat
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import kv_phase_bound as kv  # noqa: E402
+from bench import kv_phase_bound as kv
 
 
 def test_bound_below_exact_optimum_of_small_instances():

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.loadgen import RunResult, run_closed_loop
+from bench.seed_matrix import SEED_MATRIX, num_requests
 from controller.baselines import FixedPolicy, SeedStaticPolicy
-from engine.bench.loadgen import RunResult, run_closed_loop
-from engine.bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.twin.backend import TwinBackend

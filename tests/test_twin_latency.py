@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.loadgen import TraceRequest, run_closed_loop, run_trace
+from bench.report import metrics
 from controller.baselines import FixedPolicy, SeedStaticPolicy
-from engine.bench.loadgen import TraceRequest, run_closed_loop, run_trace
-from engine.bench.report import metrics
 from engine.llm_engine import LLMEngine
 from engine.twin.backend import TwinBackend
 from engine.twin.latency import US, LatencyModel, StepWork, fit_overheads

@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
+from bench.loadgen import TraceRequest, run_trace
+from bench.report import metrics
+from bench.synthetic import EPOCH, sharegpt_like_trace
 from controller.baselines import VllmPolicy
-from engine.bench.loadgen import TraceRequest, run_trace
-from engine.bench.report import metrics
-from engine.bench.synthetic import EPOCH, sharegpt_like_trace
 from engine.llm_engine import LLMEngine
 from engine.twin.backend import TwinBackend
 from engine.twin.latency import LatencyModel, StepWork

@@ -135,7 +135,7 @@ class TwinBackend:
 
     def decode_step(self, n: int, context: int, until: float = float("inf")) -> bool:
         """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
-        model it, for the bench's fast path (engine.bench.loadgen). Returns False and changes nothing when
+        model it, for the bench's fast path (bench.loadgen). Returns False and changes nothing when
         the step would start at or after `until` or would run out of memory: the engine runs that one."""
         if self.now() >= until:
             return False

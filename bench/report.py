@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from engine.bench.loadgen import RunResult
+from bench.loadgen import RunResult
 
 MS = 1e3
 PERCENTILES = (90, 95, 99)

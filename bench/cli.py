@@ -17,9 +17,9 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from engine.bench.loadgen import load_trace, run_closed_loop, run_trace
-from engine.bench.report import latency_table, markdown_table, metrics
-from engine.bench.seed_matrix import SEED_MATRIX, num_requests
+from bench.loadgen import load_trace, run_closed_loop, run_trace
+from bench.report import latency_table, markdown_table, metrics
+from bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.cli import add_config_flags, config_from_args
 from engine.config import EngineConfig
 from engine.factory import build_backend, build_engine
@@ -121,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--num-prompts",
         type=int,
         default=None,
-        help="requests per point (default: the seed's count there, engine/bench/seed_matrix.py)",
+        help="requests per point (default: the seed's count there, bench/seed_matrix.py)",
     )
     m.add_argument("--jobs", type=int, default=1, help="points run in parallel processes")
     r = sub.add_parser("replay", help="open-loop replay of a JSONL trace")
