@@ -38,7 +38,7 @@ def test_overload_small(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_fuzz_short(tmp_path: Path) -> None:
-    result = rel.run_fuzz(tmp_path, max_examples=5, seed=0)
+    result = rel.run_fuzz(tmp_path, max_examples=10, seed=0, phases="fuzzing")
     cases = next(c for c in result.checks if c.name == "fuzz: cases run")
     assert cases.ok, cases.line()
     assert not failed(result), "\n".join(failed(result))
