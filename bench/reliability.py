@@ -202,31 +202,31 @@ class Server:
         raise RuntimeError("no VmRSS line")
 
 
-async def engine_counters(client: httpx.AsyncClient) -> dict[str, Any]:
-    r = await client.get("/controller/state", params={"steps": 0})
-    r.raise_for_status()
-    return r.json()["engine"]
+def is_idle(counters: dict[str, Any]) -> bool:
+    return counters["kv_blocks_used"] == 0 and counters["num_running"] == 0 and counters["num_waiting"] == 0
 
 
 async def wait_idle(client: httpx.AsyncClient) -> dict[str, Any]:
-    """The engine counters once nothing runs, waits or holds KV blocks (or as they are at the timeout)."""
+    """The engine counters (of /controller/state) once nothing runs, waits or holds KV blocks, or as they
+    are at the timeout. A failed read is retried until then: the check is of the engine, not the route."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
-        counters = await engine_counters(client)
-        idle = counters["kv_blocks_used"] == 0 and counters["num_running"] == 0 and counters["num_waiting"] == 0
-        if idle or time.monotonic() > deadline:
+        r = await client.get("/controller/state", params={"steps": 0})
+        counters = r.json()["engine"] if r.status_code == 200 else None
+        if counters is not None and (is_idle(counters) or time.monotonic() > deadline):
             return counters
+        if time.monotonic() > deadline:
+            r.raise_for_status()
         await asyncio.sleep(0.2)
 
 
 def idle_check(name: str, counters: dict[str, Any]) -> Check:
-    ok = counters["kv_blocks_used"] == 0 and counters["num_running"] == 0 and counters["num_waiting"] == 0
     detail = (
         f"KV blocks in use {counters['kv_blocks_used']} of {counters['kv_blocks_total']}, "
         f"running {counters['num_running']}, waiting {counters['num_waiting']} "
         f"(within {IDLE_TIMEOUT_S:.0f} s of the last answer)"
     )
-    return Check(name, ok, detail)
+    return Check(name, is_idle(counters), detail)
 
 
 def client_for(url: str, connections: int) -> httpx.AsyncClient:
@@ -329,12 +329,17 @@ def refusal_outcome(r: httpx.Response) -> Outcome:
 
 
 async def send(client: httpx.AsyncClient, spec: RequestSpec) -> Outcome:
+    """Send one request and judge its answer; never raises for what the server answers."""
     try:
-        if spec.stream:
-            return await _send_stream(client, spec)
-        r = await client.post(spec.path(), json=spec.body())
+        return await (_send_stream(client, spec) if spec.stream else _send_plain(client, spec))
     except httpx.HTTPError as e:
         return Outcome(0, f"no answer: {type(e).__name__}: {e}")
+    except (ValueError, LookupError, TypeError) as e:  # JSON that is not an answer's shape
+        return Outcome(200, f"malformed answer: {type(e).__name__}: {e}")
+
+
+async def _send_plain(client: httpx.AsyncClient, spec: RequestSpec) -> Outcome:
+    r = await client.post(spec.path(), json=spec.body())
     if r.status_code != 200:
         return refusal_outcome(r)
     body = r.json()
@@ -518,26 +523,35 @@ async def poll_controller(client: httpx.AsyncClient, stop: asyncio.Event) -> Pol
     """GET /metrics, GET /controller/state and PATCH /controller/config until `stop`; the valid PATCHes
     move one gain away from its value and back, the invalid ones must get a 400 and change nothing."""
     stats = PollStats()
-    r = await client.get("/controller/state")
-    config = r.json()["config"]
+    config = (await client.get("/controller/state")).json()["config"]
     original = {gain: config[gain] for gain in ALTERNATE_GAINS}
-    gains = list(ALTERNATE_GAINS)
     while not stop.is_set():
-        stats.count("GET /metrics", await client.get("/metrics"), 200)
-        stats.count("GET /controller/state", await client.get("/controller/state", params={"steps": 5}), 200)
-        gain = gains[(stats.rounds // 2) % len(gains)]
-        value = ALTERNATE_GAINS[gain] if stats.rounds % 2 == 0 else original[gain]
-        r = await client.patch("/controller/config", json={gain: value})
-        stats.count("PATCH valid", r, 200)
-        if r.status_code == 200:
-            config = r.json()["config"]
-        if stats.rounds % INVALID_PATCH_EVERY == 0:
-            await _invalid_patch(client, stats, config)
+        try:
+            config = await _poll_round(client, stats, config, original)
+        except (httpx.HTTPError, ValueError, LookupError) as e:  # no answer, or not the answer's shape
+            stats.problems[f"{type(e).__name__}: {e}"] += 1
         stats.rounds += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), POLL_INTERVAL_S)
     stats.count("PATCH restore", await client.patch("/controller/config", json=original), 200)
     return stats
+
+
+async def _poll_round(
+    client: httpx.AsyncClient, stats: PollStats, config: dict[str, Any], original: dict[str, Any]
+) -> dict[str, Any]:
+    """One round of polling; the controller config in force after it."""
+    stats.count("GET /metrics", await client.get("/metrics"), 200)
+    stats.count("GET /controller/state", await client.get("/controller/state", params={"steps": 5}), 200)
+    gain = list(ALTERNATE_GAINS)[(stats.rounds // 2) % len(ALTERNATE_GAINS)]
+    value = ALTERNATE_GAINS[gain] if stats.rounds % 2 == 0 else original[gain]
+    r = await client.patch("/controller/config", json={gain: value})
+    stats.count("PATCH valid", r, 200)
+    if r.status_code == 200:
+        config = r.json()["config"]
+    if stats.rounds % INVALID_PATCH_EVERY == 0:
+        await _invalid_patch(client, stats, config)
+    return config
 
 
 async def _invalid_patch(client: httpx.AsyncClient, stats: PollStats, config: dict[str, Any]) -> None:
@@ -758,16 +772,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="headroom-reliability-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    scenarios = {
+        "fuzz": lambda: run_fuzz(workdir, args.max_examples, args.seed),
+        "soak": lambda: run_soak(workdir, args.requests, args.concurrency, args.seed),
+        "overload": lambda: run_overload(workdir, args.max_waiting),
+    }
     results = []
-    if args.scenario in ("fuzz", "all"):
-        results.append(run_fuzz(workdir, args.max_examples, args.seed))
-    if args.scenario in ("soak", "all"):
-        results.append(run_soak(workdir, args.requests, args.concurrency, args.seed))
-    if args.scenario in ("overload", "all"):
-        results.append(run_overload(workdir, args.max_waiting))
-    for res in results:
-        for check in res.checks:
-            print(check.line(), flush=True)
+    for name, run in scenarios.items():
+        if args.scenario in (name, "all"):
+            results.append(run())
+            for check in results[-1].checks:
+                print(check.line(), flush=True)
     print(f"logs and reports in {workdir}")
     write_report(args.out, report_lines(results, sys.argv[1:] if argv is None else argv))
     return 0 if all(r.ok for r in results) else 1
