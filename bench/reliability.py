@@ -741,11 +741,22 @@ def run_overload(workdir: Path, max_waiting: int) -> ScenarioResult:
 # ---- main -------------------------------------------------------------------------------------------
 
 
+def git_commit() -> str:
+    """HEAD of the checkout the server runs from, marked dirty when the work tree differs."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + (
+        " (uncommitted changes)" if git("status", "--porcelain") else ""
+    )
+
+
 def report_lines(results: list[ScenarioResult], argv: list[str]) -> list[str]:
     lines = [
         "# Reliability (issue #13): fuzz, soak and overload against `headroom serve --backend twin`",
         "",
-        f"Command: `python -m bench.reliability {' '.join(argv)}`",
+        f"Command: `python -m bench.reliability {' '.join(argv)}`, at commit {git_commit()}.",
         "",
         f"CPU: {cpu_model()}, {os.cpu_count()} cores visible (shared with other work while this ran); "
         f"Python {sys.version.split()[0]}; {time.strftime('%Y-%m-%d %H:%M %Z')}.",
