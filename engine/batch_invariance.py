@@ -6,12 +6,17 @@ way whatever the batch holds. Attention (engine/attention.py) is written for tha
 vendor kernels that promise nothing of the kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
 (bench/results/batch_invariance.md):
 - bf16 (oneDNN): a row computed alone (1 row) can differ from the same row in a batch of 2 or more for
-  K=1536 (the MLP down projection). Padding every input to `BF16_MIN_ROWS` rows keeps the single-row
-  kernel out of the way; every row then matched for every batch of 1-300 rows and 512, 1024 on the
-  model's shapes. The kernels' authors do not guarantee it, so `linear_row_mismatch` checks it.
+  K=1536 (the MLP down projection; in the real model, 252 of 2730 single-row calls). Padding every input
+  to `BF16_MIN_ROWS` rows keeps the single-row kernel out of the way; every row then matched for every
+  batch of 1-300 rows and 512, 1024 on the model's shapes. It costs about 2% of a batch-1 decode step
+  (padding to 8 cost 20%) and nothing from batch 2 up. oneDNN does not guarantee it, so
+  `linear_row_mismatch` checks it where it matters (tests/test_engine_model.py).
+- bf16 without oneDNN's bf16 kernels (ONEDNN_MAX_CPU_ISA=AVX2, as on AVX2-only CPUs): torch's own kernel
+  matched for every batch probed, padded or not.
 - fp32 (MKL sgemm): rows differ between batches of 1, 2-4, 5-8 and 9-16 rows (different kernels by row
-  count); only padding to 16 rows made them match, which costs most of a batch-1 decode step, so fp32
-  is left unpadded and is not batch-invariant.
+  count); only padding to 16 rows made them match, which would make a batch-1 linear about 4x slower
+  (bench/results/engine_cpu.md: 101 us at 1 row, 467 us at 8), so fp32 is left unpadded and is not
+  batch-invariant.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-BF16_MIN_ROWS = 8
+BF16_MIN_ROWS = 2
 # Batch sizes the probe compares: every small one (where kernels switch by row count) and a few large.
 PROBE_ROWS = (*range(1, 33), 47, 64, 129, 256)
 # Rows the probe checks in each batch: these first ones, and the batch's last row.
