@@ -35,7 +35,11 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
         from engine.twin.backend import TwinBackend
 
         return TwinBackend(
-            profile=cfg.profile, num_blocks=cfg.num_blocks, block_size=cfg.block_size, realtime=cfg.realtime
+            profile=cfg.profile,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            realtime=cfg.realtime,
+            max_model_len=cfg.max_model_len,
         )
     from engine.torch_backend import TorchBackend
 

@@ -66,7 +66,7 @@ BAD = [  # (path, body, param, code)
     (CHAT, {"messages": []}, "messages", None),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages", None),
     (CHAT, {"messages": [{"role": "user"}]}, "messages", None),
-    (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_tokens", None),
+    (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", None),
     (CHAT, {"messages": USER, "n": 0}, "n", None),
     (CHAT, {"messages": USER, "temperature": "0.5"}, "temperature", None),
 ]

@@ -6,17 +6,41 @@ is the engine thread's, and a config change lands between two steps, never insid
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import typing
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from controller.config import ControllerConfig
 from engine.llm_engine import EngineDeadError
 from engine.server.context import Ctx, engine_counters, require_admin
-from engine.server.errors import SERVER_ERROR, APIError, bad_request, error_responses
+from engine.server.errors import SERVER_ERROR, APIError, error_responses
+from engine.server.protocol import integer
 
 DEFAULT_STATE_STEPS = 10
 
 router = APIRouter(prefix="/controller")
+
+
+def _patch_model() -> type[BaseModel]:
+    """The PATCH body: any subset of the gains, each within its bounds, nothing else. The schema says so, so
+    a client (or a schema fuzzer) knows what is valid before it asks; what only a combination of gains can
+    break (recover_below <= backoff_threshold, ...) depends on the current config and answers 409."""
+    hints = typing.get_type_hints(ControllerConfig)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(ControllerConfig):
+        meta, kind = f.metadata, hints[f.name]
+        if kind is int:
+            kind = integer(ge=meta["min"], le=meta["max"])
+        elif kind is float:
+            kind = Annotated[float, Field(ge=meta["min"], le=meta["max"])]
+        fields[f.name] = (kind, Field(None, description=f"{meta['doc']} ({meta['unit']})"))
+    return create_model("ControllerConfigPatch", __config__=ConfigDict(extra="forbid", strict=True), **fields)
+
+
+ControllerConfigPatch = _patch_model()
 
 
 @router.get("/state")
@@ -28,11 +52,11 @@ async def controller_state(ctx: Ctx, steps: int = DEFAULT_STATE_STEPS) -> dict[s
     return state
 
 
-@router.patch("/config", dependencies=[Depends(require_admin)], responses=error_responses(400, 401, 403, 503))
-async def controller_config(ctx: Ctx, patch: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+@router.patch("/config", dependencies=[Depends(require_admin)], responses=error_responses(400, 401, 403, 409, 503))
+async def controller_config(ctx: Ctx, patch: ControllerConfigPatch) -> dict[str, Any]:  # type: ignore[valid-type]
     try:
-        return await ctx.engine.update_config(patch)
+        return await ctx.engine.update_config(patch.model_dump(exclude_unset=True))  # type: ignore[attr-defined]
     except ValueError as e:
-        raise bad_request(str(e), None, "invalid_config") from e
+        raise APIError(409, str(e), code="config_conflict") from e
     except EngineDeadError as e:
         raise APIError(503, str(e), SERVER_ERROR, None, "engine_dead") from e

@@ -89,6 +89,7 @@ ERROR_MEANING = {
     401: "Missing or wrong API key",
     403: "The controller's write endpoint is reachable beyond loopback and no admin key is set",
     404: "Not found: an unknown model, or a feature this server runs without",
+    409: "The gains are each valid but together break a rule of the controller's config",
     429: "Too many requests waiting: retry after the Retry-After header's seconds",
     503: "The engine cannot serve (shutting down, stopped, or failed after an out-of-memory error)",
 }

@@ -28,10 +28,12 @@ DISCONNECT_POLL_S = 0.5  # non-streaming requests: how often to check whether th
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], responses=error_responses(401))
 
+# One server-sent event as a client parses it: `data` is a JSON chunk (or [DONE]).
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 ANSWER_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The answer: one JSON body, or with `stream` an SSE stream of chunks ending in [DONE]",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}},
     },
     **error_responses(400, 404, 429, 503),
 }

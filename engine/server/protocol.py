@@ -15,10 +15,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.server.errors import bad_request, clip
+from engine.server.errors import bad_request
 
 MAX_N = 128  # OpenAI's bound on n: each choice is an engine request
 
@@ -53,13 +53,29 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
+    "best_of": (1,),  # like vLLM v1: more samples than returned is not served
     "reasoning_effort": (),
     "audio": (),
     "modalities": (["text"],),
     "web_search_options": (),
 }
 
-TokenIds = Annotated[list[int], Field(min_length=1)]
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's `integer` takes 3.0; strict mode otherwise refuses it (and still refuses true and "3")."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: int) -> Any:
+    """An integer field; its bounds go before the validator, or the schema would not show them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Int = integer()
+Count = integer(ge=1)  # max_tokens and friends: at least one token
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from
 
 
 class Strict(BaseModel):
@@ -74,21 +90,22 @@ class SamplingFields(Strict):
     """The fields both endpoints share, with OpenAI's defaults; vLLM's extensions at the end."""
 
     model: str | None = None
-    temperature: float | None = None  # None: 1.0, as OpenAI
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    # Per-field bounds are in the schema, so a schema-valid request is one the engine takes.
+    temperature: Annotated[float, Field(ge=0)] | None = None  # None: 1.0, as OpenAI
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float | None = None  # None: 0
-    frequency_penalty: float | None = None  # None: 0
+    n: integer(ge=1, le=MAX_N) = 1
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None  # None: 0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None  # None: 0
     # vLLM extensions
-    repetition_penalty: float | None = None  # None: 1 (off)
-    top_k: int | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # None: 1 (off)
+    top_k: integer(ge=-1) | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: integer(ge=0) = 0
+    stop_token_ids: list[integer(ge=0)] | None = None
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -130,20 +147,10 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top k besides the chosen token
-    best_of: int | None = None
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | TokenIdLists
+    max_tokens: Count | None = 16  # OpenAI's default for completions
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # top k besides the chosen token
     add_special_tokens: bool = True  # vLLM: completions get BOS
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.best_of not in (None, self.n):
-            raise bad_request(
-                f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})",
-                "best_of",
-                "unsupported_field",
-            )
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt, as text or token ids (one prompt is a batch of one)."""
@@ -153,36 +160,28 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class ContentPart(Strict):
-    type: str
-    text: str | None = None
+class TextPart(Strict):
+    type: Literal["text"]  # image and audio parts would change the answer: not served, so not in the schema
+    text: str
 
 
-ROLES = Literal["system", "developer", "user", "assistant", "tool"]
+Content = str | list[TextPart]
 
 
-class ChatMessage(Strict):
-    role: ROLES
-    content: str | list[ContentPart] | None = None
+class _Message(Strict):
+    """A chat message, one class per role so the schema says what each role needs (a schema-valid message is
+    one the server takes)."""
+
+    role: str
+    content: Content | None = None
     tool_call_id: str | None = None  # tool messages answer this call
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as the template may render them
 
-    @model_validator(mode="after")
-    def _check(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs tool_call_id")
-        for part in self.content if isinstance(self.content, list) else []:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"only text content parts are supported, got type {clip(part.type)}")
-        return self
-
     def as_template_input(self) -> dict[str, Any]:
         """What the chat template sees: `developer` is OpenAI's newer name for `system`."""
-        parts = self.content if isinstance(self.content, list) else None
-        content = "".join(p.text or "" for p in parts) if parts is not None else self.content or ""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": content}
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
@@ -190,12 +189,48 @@ class ChatMessage(Strict):
         return message
 
 
+class InstructionMessage(_Message):
+    role: Literal["system", "developer", "user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    """OpenAI: content is required unless the turn called tools. The schema says it with anyOf, the
+    validator enforces it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}},
+            ]
+        }
+    )
+    role: Literal["assistant"]
+    tool_calls: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> AssistantMessage:
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[InstructionMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     add_special_tokens: bool = False  # vLLM: the chat template already writes BOS
 
     def resolved_max_tokens(self) -> int | None:
