@@ -98,9 +98,43 @@ def test_fuzz_checks_fail_on_5xx_bad_errors_and_schemathesis_failures() -> None:
         "fuzz: 0 responses 5xx": False,
         "fuzz: every error OpenAI-shaped": False,
         "fuzz: every request answered": False,
+        "fuzz: schema-valid requests refused only by cross-field rules": True,
         "fuzz: schemathesis checks (all)": False,
         "fuzz: ST103 Undocumented status code": False,
     }
+
+
+ST202_OUTPUT = """
+- ST202 Schema-valid request rejected
+[400] Bad Request:
+    `{"error":{"message":"min_tokens must not exceed max_tokens","param":"min_tokens"}}`
+- ST202 Schema-valid request rejected
+[400] Bad Request:
+    `{"error":{"message":"...","code":"context_length_exceeded"}}`
+"""
+
+
+def test_only_cross_field_rejections_excuse_st202() -> None:
+    report = {
+        "test_cases": {"generated": 2},
+        "stop_reason": "completed",
+        "errors": [],
+        "failures": [{"code": "ST202", "title": "Schema-valid request rejected", "count": 2, "operations": ["x"]}],
+    }
+    har = {
+        "log": {
+            "entries": [har_entry(400, '{"error": {"message": "m", "type": "t", "param": null, "code": null}}')] * 2
+        }
+    }
+    excused = {c.name: c.ok for c in rel.fuzz_checks(report, har, ST202_OUTPUT)}
+    assert (
+        excused["fuzz: schemathesis checks (all)"]
+        and excused["fuzz: schema-valid requests refused only by cross-field rules"]
+    )
+    other = ST202_OUTPUT + '- ST202 Schema-valid request rejected\n    `{"error":{"message":"the prompt is empty"}}`\n'
+    flagged = {c.name: c.ok for c in rel.fuzz_checks(report, har, other)}
+    assert not flagged["fuzz: schemathesis checks (all)"]
+    assert not flagged["fuzz: schema-valid requests refused only by cross-field rules"]
 
 
 def soak_run(outcomes: list[rel.Outcome], **changes: object) -> rel.SoakRun:
