@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from controller.policy import Policy
-from engine.kv_cache import BlockAllocator
+from engine.kv_cache import BlockAllocator, ResizePlan
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -32,6 +32,11 @@ class Backend(Protocol):
 
     def recover_from_oom(self) -> None:
         """Release what the failed step held (torch.cuda.empty_cache on CUDA)."""
+        ...
+
+    def resize_kv(self, plan: ResizePlan) -> float:
+        """Resize the KV tensors to `plan` (copying the blocks in plan.moves) and set num_blocks; returns
+        the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged, when it cannot."""
         ...
 
 
@@ -130,6 +135,23 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
             self._finish(seq, "abort")
+
+    def resize_kv_pool(self, target: int) -> ResizePlan | None:
+        """Resize the KV pool to `target` blocks between steps; returns the plan carried out, or None when
+        the size stays. Never below the blocks in use (in-use blocks above the new size are moved, see
+        engine/kv_cache.py) nor below the largest admitted request's prompt + max_tokens, so every request
+        can still finish. Raises torch.OutOfMemoryError, nothing changed, when the backend cannot."""
+        alloc = self.allocator
+        longest = max((alloc.blocks_for(s.prompt_len + s.max_tokens) for s in self.requests.values()), default=1)
+        plan = alloc.plan_resize(max(target, longest))
+        if plan.num_blocks == alloc.num_blocks:
+            return None
+        self.backend.resize_kv(plan)
+        alloc.apply(plan)
+        if plan.moves:
+            for seq in self.scheduler.running:
+                seq.block_table = [plan.moves.get(b, b) for b in seq.block_table]
+        return plan
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
