@@ -20,6 +20,7 @@ from telemetry.record import StepRecord
 class Backend(Protocol):
     num_blocks: int
     block_size: int
+    block_bytes: int  # device bytes of one KV block, all layers
     max_model_len: int
     eos_token_ids: set[int]
     model_name: str
@@ -153,11 +154,27 @@ class LLMEngine:
                 seq.block_table = [plan.moves.get(b, b) for b in seq.block_table]
         return plan
 
+    def _follow_pool_target(self) -> None:
+        """Resize the pool where the policy asks (only a policy that sizes the pool ever does), before the
+        step is packed: a shrink for memory another process took lands before the step that would OOM."""
+        target = self.policy.kv_pool_target(self.backend.probe.sample())
+        old = self.allocator.num_blocks
+        if target is None or target == old:
+            return
+        try:
+            plan = self.resize_kv_pool(target)
+        except torch.OutOfMemoryError as e:
+            self.backend.recover_from_oom()
+            self.policy.observe_pool(old, old, str(e))
+            return
+        self.policy.observe_pool(old, plan.num_blocks if plan else old)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that got a token or finished."""
+        self._follow_pool_target()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []

@@ -86,9 +86,7 @@ class TorchBackend:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
         self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, block_size, self.dtype, self.device)
-        self.max_model_len = min(
-            self.config.max_position_embeddings, self.num_blocks * block_size, max_model_len or 1 << 62
-        )
+        self._context_cap = min(self.config.max_position_embeddings, max_model_len or 1 << 62)
         if probe is None:
             device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
             idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
@@ -96,6 +94,11 @@ class TorchBackend:
         self.probe = probe
         self.sampler = Sampler(seed)
         self.block_bytes = kv_cache_bytes_per_block(self.config, block_size, self.dtype)
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's context, capped by --max-model-len and by the pool as it is now (it may be resized)."""
+        return min(self._context_cap, self.num_blocks * self.block_size)
 
     def resize_kv(self, plan: ResizePlan) -> float:
         """Reallocate and copy each layer's K and V (engine/attention.py: resize_kv_cache); returns the

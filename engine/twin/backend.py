@@ -93,6 +93,10 @@ class TwinBackend:
         # identical steps report one (read-only) sample; the key holds cumulative counters, hence the bound
         self._samples: LRUMemo[tuple, MemorySample] = LRUMemo(MEMO_SIZE)
 
+    @property
+    def block_bytes(self) -> int:
+        return self.memory.block_bytes
+
     # -- clock -----------------------------------------------------------------------------------
     def now(self) -> float:
         if self.realtime:
@@ -198,6 +202,16 @@ class TwinBackend:
         r = self.profile.section("kv_resize")
         copied = (min(plan.num_blocks, plan.old_num_blocks) + len(plan.moves)) * self.memory.block_bytes
         return 2 * copied / float(r["copy_bytes_per_s"]) + self.memory.kv_tensors * float(r["malloc_s"])
+
+    def set_external(self, nbytes: int) -> int:
+        """Another process on the card asks for `nbytes` in all (0: it lets go); it gets what the driver
+        has free (MemoryModel.set_external) and the bytes it holds are returned. A scenario calls this
+        between steps, as often as the other process retries. NVML sees it at once: the probe's latest
+        sample is refreshed, as a between-steps NVML read would be."""
+        held = self.memory.set_external(nbytes)
+        live = self.memory.allocated
+        self.probe._last = self._sample(live, self.memory.reserved, live)
+        return held
 
     def recover_from_oom(self) -> None:
         """torch.cuda.empty_cache(): hand every wholly free cached segment back to the driver."""
