@@ -118,3 +118,25 @@ def test_twin_external_memory_takes_only_what_is_free():
     assert m.limit + m.external == m.cuda_total - m.context - m.persistent
     assert m.device_used() == m.context + m.persistent + m.reserved + m.external
     assert m.set_external(0) == 0
+
+
+def test_torch_resize_on_cuda_path_keeps_one_tensor_per_layer_and_empties_the_cache(monkeypatch):
+    """The CUDA mechanism with fakes (no GPU here): a new tensor per K and V per layer, the kept and moved
+    blocks copied, the rest zeroed, then torch.cuda.empty_cache so the old tensors go back to the driver."""
+    from engine.kv_cache import ResizePlan
+    from engine.torch_backend import TorchBackend
+    from telemetry.probes.null import NullProbe
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    b = object.__new__(TorchBackend)
+    b.device, b.num_blocks, b.block_bytes, b.probe = torch.device("cuda"), 6, 8, NullProbe(idle_bytes=48)
+    layers = [(torch.arange(24.0).view(6, 2, 2), -torch.arange(24.0).view(6, 2, 2)) for _ in range(3)]
+    b.kv_caches = [(k.clone(), v.clone()) for k, v in layers]
+    b.resize_kv(ResizePlan(3, 6, {5: 1}))
+    assert emptied == [True] and b.num_blocks == 3 and b.probe.idle_bytes == 24
+    for (k, v), (k0, v0) in zip(b.kv_caches, layers, strict=True):
+        assert k.shape == (3, 2, 2) and v.shape == (3, 2, 2)
+        assert torch.equal(k[1], k0[5]) and torch.equal(v[0], v0[0]) and torch.equal(k[2], k0[2])
+    b.resize_kv(ResizePlan(5, 3))
+    assert b.kv_caches[0][0].shape[0] == 5 and not b.kv_caches[0][0][3:].any()
