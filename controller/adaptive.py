@@ -27,10 +27,11 @@ from controller.admission import INF, decodes_that_fit, is_empty, largest_chunk,
 from controller.budget import MIB, BudgetTracker
 from controller.config import ControllerConfig
 from controller.estimator import PeakEstimator
+from controller.kv_pool import PoolSizer
 from controller.kv_reservation import KVReservation
 from controller.law import ControlLaw
 from controller.limits import UNLIMITED, Limits
-from telemetry.record import StepRecord, StepShape
+from telemetry.record import MemorySample, StepRecord, StepShape
 
 DECISIONS_KEPT = 50
 RETAINED_FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "sampled_seqs")
@@ -50,6 +51,7 @@ class AdaptivePolicy:
         self.budget = BudgetTracker(c.headroom_frac, c.headroom_min_mib, c.use_device_used)
         self.law = ControlLaw(c)
         self.kv = KVReservation(c)
+        self.pool = PoolSizer(c)
         self.counters = {
             "steps": 0,
             "backoffs": 0,
@@ -59,6 +61,7 @@ class AdaptivePolicy:
             "ooms_recovered": 0,
             "rejected_too_long": 0,
             "estimator_resets": 0,
+            "kv_pool_resizes": 0,
         }
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self._raw = self.estimator.raw  # live list, updated in place by the estimator
@@ -83,6 +86,7 @@ class AdaptivePolicy:
         self._last_peak: float | None = None
         self._prev: tuple[int, StepShape, bool] | None = None  # (step id, shape, oom) of the last sample
         self._retained_next = 0.0
+        self._pool_reason = ""
         self._refresh_key: tuple | None = None
         self._refresh()
         self._refresh_limits()
@@ -195,6 +199,73 @@ class AdaptivePolicy:
     def observe(self, record: StepRecord) -> None:
         self._observe(record)
 
+    # --- KV pool sizing (controller/kv_pool.py) -------------------------------------------------------
+    def size_kv_pool(self, num_blocks: int, block_bytes: int, profile: list[MemorySample]) -> int:
+        """Take over the pool: `profile` is what the start-up profiling steps measured with `num_blocks`
+        blocks of `block_bytes`. Returns the pool size to start with."""
+        for m in profile:
+            self.budget.observe(m)
+        idle = self.budget.idle_floor or 0
+        reserve = max(max(m.peak_allocated, m.reserved) - idle for m in profile)
+        self.pool.start(num_blocks, block_bytes, reserve)
+        self._pool_reason = "start-up sizing"
+        room = self._pool_room(profile[-1])
+        target = max(1, num_blocks + self.pool.blocks_for_room(room))
+        b = self.budget
+        self.pool.sizing = {
+            "profiled_tokens": self.cfg.pool_reserve_tokens,
+            "profile_steps": len(profile),
+            "capacity": b.capacity,
+            "external": self._external_now(profile[-1]),
+            "idle_without_pool": idle - num_blocks * block_bytes,
+            "headroom": b.headroom(),
+            "reserve": reserve,
+            "block_bytes": block_bytes,
+            "num_blocks": target,
+        }
+        self._log("kv_pool_size", f"start-up: {target} blocks of {block_bytes / MIB:.1f} MiB beside a "
+                  f"{reserve / MIB:.0f} MiB reserve (profiled {self.cfg.pool_reserve_tokens}-token prefill), "
+                  f"{b.headroom() / MIB:.0f} MiB headroom, {self._external_now(profile[-1]) / MIB:.0f} MiB outside")
+        return target
+
+    def kv_pool_target(self, memory: MemorySample) -> int | None:
+        """Before a step is packed: the pool size to move to now (None: keep it). `memory` is the probe's
+        latest sample, so memory another process took since the last step counts."""
+        if not self.pool.enabled:
+            return None
+        decision = self.pool.decide(self._step, self._pool_room(memory))
+        if decision is None:
+            return None
+        self._pool_reason = decision[1]
+        return decision[0]
+
+    def observe_pool(self, old: int, new: int, error: str | None = None) -> None:
+        """The engine resized the pool from `old` to `new` blocks (error: it could not)."""
+        pool = self.pool
+        pool.resized(self._step, new, error is None)
+        if error is not None:
+            self._log("kv_pool_failed", f"resize {old} -> ? blocks failed: {error}")
+            return
+        if new == old:
+            return
+        self.budget.shift_idle((new - old) * pool.block_bytes)
+        self.counters["kv_pool_resizes"] += 1
+        self._log("kv_pool_grow" if new > old else "kv_pool_shrink", f"{old} -> {new} blocks: {self._pool_reason}")
+        self._refresh_key = None
+        self._refresh()
+
+    def _external_now(self, m: MemorySample) -> int:
+        external = self.budget.external
+        if self.cfg.use_device_used and m.device_used is not None and m.reserved > 0:
+            external = max(external, m.device_used - m.reserved)
+        return external
+
+    def _pool_room(self, m: MemorySample) -> int:
+        b = self.budget
+        if b.idle_floor is None:
+            return 0
+        return int(b.capacity - self._external_now(m) - b.idle_floor - b.headroom() - self.pool.reserve)
+
     def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
         """A request finished; its output length teaches the KV reservation (aborts and errors do not)."""
         if reason in ("stop", "length"):
@@ -224,6 +295,7 @@ class AdaptivePolicy:
             "law": self.law.state(),
             "emergency": self.law.emergency,
             "kv_reservation": self.kv.state(),
+            "kv_pool": self.pool.state(),
             "counters": dict(self.counters),
             "decisions": [{**d, "reason": d["reason"]()} if callable(d["reason"]) else d
                           for d in self.decisions],
@@ -239,6 +311,7 @@ class AdaptivePolicy:
         self.budget.configure(new.headroom_frac, new.headroom_min_mib, new.use_device_used)
         self.law.configure(new)
         self.kv.configure(new)
+        self.pool.configure(new)
         self._limits_key = None
         self._refresh_key = None
         self._refresh()

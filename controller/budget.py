@@ -115,6 +115,14 @@ class BudgetTracker:
                 self._external = q[0][1]
         return m.idle_baseline - self.idle_floor
 
+    def shift_idle(self, delta: int) -> None:
+        """The idle footprint moved by `delta` bytes (the KV pool was resized): the floor follows at once,
+        and the budget with it, instead of waiting for a lower idle sample (a grow would never bring one)."""
+        if self.idle_floor is None:
+            return
+        self.idle_floor += delta
+        self.next_budget(self.budget.retained)
+
     def next_budget(self, retained: float) -> Budget:
         """The budget of the next step, given the bytes predicted to stay allocated from this one."""
         if self.idle_floor is None:

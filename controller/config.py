@@ -72,6 +72,12 @@ class ControllerConfig:
     kv_churn_max: float = _gain(50.0, "preemptions per 1000 steps", 0.0, 1e6, "tolerated churn")
     kv_floor_step: float = _gain(0.05, "fraction of max_tokens", 0.0, 1.0, "floor rise when churn is over")
 
+    # --- KV pool sizing (controller/kv_pool.py; only without --num-blocks) ------------------------------
+    pool_reserve_tokens: int = _gain(1024, "tokens", 1, 1 << 20, "profiled prefill step the pool leaves room for")
+    pool_hysteresis_mib: float = _gain(256.0, "MiB", 0.0, 65536.0, "room beyond one block before the pool grows")
+    pool_grow_hold: int = _gain(32, "decisions", 1, 100000, "consecutive decisions with room before a grow")
+    pool_cooldown: int = _gain(16, "steps", 0, 100000, "at most one resize per this, tight-memory shrinks excepted")
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from controller.limits import Limits
-from telemetry.record import StepRecord, StepShape
+from telemetry.record import MemorySample, StepRecord, StepShape
 
 
 class Policy(Protocol):
@@ -39,6 +39,15 @@ class Policy(Protocol):
 
     def observe(self, record: StepRecord) -> None:
         """Feed back what the step really used; called after every step, OOM steps included."""
+        ...
+
+    def kv_pool_target(self, memory: MemorySample) -> int | None:
+        """Before each step: the KV pool size to resize to now, or None to keep it (always None unless the
+        policy sizes the pool). `memory` is the probe's latest sample."""
+        ...
+
+    def observe_pool(self, old: int, new: int, error: str | None = None) -> None:
+        """The engine resized the pool from `old` to `new` blocks, or could not (`error`)."""
         ...
 
     def state(self) -> dict:
@@ -75,6 +84,12 @@ class StaticPolicy:
         return None
 
     def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
+        return None
+
+    def kv_pool_target(self, memory: MemorySample) -> int | None:
+        return None
+
+    def observe_pool(self, old: int, new: int, error: str | None = None) -> None:
         return None
 
     def state(self) -> dict:

@@ -46,6 +46,31 @@ def allocate_kv_cache(
     ]
 
 
+def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int]) -> None:
+    """Resize every K and V tensor to `num_blocks` blocks in place in `caches`, one tensor at a time: the
+    blocks in `moves` (old id -> new id) are copied first, then a new tensor takes the kept blocks and
+    zeros the new ones, and replaces the old one, which is freed before the next tensor is made. So the
+    transient above the old pool is the growth plus one tensor, and each layer keeps one contiguous tensor
+    (what flash-attn's paged kernel reads)."""
+    if not caches:
+        return
+    device = caches[0][0].device
+    src = torch.tensor(list(moves), dtype=torch.long, device=device)
+    dst = torch.tensor(list(moves.values()), dtype=torch.long, device=device)
+    for layer in range(len(caches)):
+        for which in (0, 1):
+            old = caches[layer][which]
+            if moves:
+                old.index_copy_(0, dst, old.index_select(0, src))
+            keep = min(num_blocks, old.shape[0])
+            new = old.new_empty((num_blocks, *old.shape[1:]))
+            new[:keep].copy_(old[:keep])
+            new[keep:].zero_()
+            pair = caches[layer]
+            caches[layer] = (new, pair[1]) if which == 0 else (pair[0], new)
+            del old, pair
+
+
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 

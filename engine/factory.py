@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from controller.baselines import FixedPolicy, SeedStaticPolicy, VllmPolicy
 from controller.policy import Policy
 from engine.config import EngineConfig
 from engine.faults import OOMInjector
 from engine.llm_engine import Backend, LLMEngine
+
+TORCH_BLOCK_SIZE = 16
 
 # EngineConfig's fixed caps whose Limits field has another name.
 LIMIT_NAMES = {"max_num_batched_tokens": "max_batched_tokens", "mixed": "allow_mixed"}
@@ -48,12 +52,38 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
         dtype=cfg.dtype,
         device=cfg.device,
         num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size or 16,
+        block_size=cfg.block_size or TORCH_BLOCK_SIZE,
         attention=cfg.attention,
         device_memory=cfg.device_memory,
         max_model_len=cfg.max_model_len,
     )
 
 
+def sizes_kv_pool(cfg: EngineConfig) -> bool:
+    """Without --num-blocks the adaptive controller sizes the pool (engine/kv_pool.py) where the capacity is
+    a real bound: the twin, a CUDA device, or a CPU with --device-memory. On a plain CPU the capacity is
+    all of the host's RAM, which is not the engine's to fill, so the default pool stays, as it does for
+    every other policy."""
+    bounded = cfg.backend == "twin" or cfg.device_memory is not None or cfg.device.startswith("cuda")
+    return cfg.num_blocks is None and cfg.policy == "adaptive" and bounded
+
+
 def build_engine(cfg: EngineConfig) -> LLMEngine:
-    return LLMEngine(build_backend(cfg), build_policy(cfg))
+    policy = build_policy(cfg)
+    if not sizes_kv_pool(cfg):
+        return LLMEngine(build_backend(cfg), policy)
+    from engine.kv_pool import profile_blocks, size_kv_pool
+
+    block_size = cfg.block_size or _default_block_size(cfg)
+    start = profile_blocks(policy.cfg.pool_reserve_tokens, block_size)
+    engine = LLMEngine(build_backend(dataclasses.replace(cfg, num_blocks=start, block_size=block_size)), policy)
+    size_kv_pool(engine)
+    return engine
+
+
+def _default_block_size(cfg: EngineConfig) -> int:
+    if cfg.backend == "twin":
+        from engine.twin.profile import load_profile
+
+        return int(load_profile(cfg.profile).section("engine")["default_block_size"])
+    return TORCH_BLOCK_SIZE

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from controller.policy import Policy
-from engine.kv_cache import BlockAllocator
+from engine.kv_cache import BlockAllocator, ResizePlan
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -20,6 +20,7 @@ from telemetry.record import StepRecord
 class Backend(Protocol):
     num_blocks: int
     block_size: int
+    block_bytes: int  # device bytes of one KV block, all layers
     max_model_len: int
     eos_token_ids: set[int]
     model_name: str
@@ -32,6 +33,11 @@ class Backend(Protocol):
 
     def recover_from_oom(self) -> None:
         """Release what the failed step held (torch.cuda.empty_cache on CUDA)."""
+        ...
+
+    def resize_kv(self, plan: ResizePlan) -> float:
+        """Resize the KV tensors to `plan` (copying the blocks in plan.moves) and set num_blocks; returns
+        the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged, when it cannot."""
         ...
 
 
@@ -131,11 +137,44 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self._finish(seq, "abort")
 
+    def resize_kv_pool(self, target: int) -> ResizePlan | None:
+        """Resize the KV pool to `target` blocks between steps; returns the plan carried out, or None when
+        the size stays. Never below the blocks in use (in-use blocks above the new size are moved, see
+        engine/kv_cache.py) nor below the largest admitted request's prompt + max_tokens, so every request
+        can still finish. Raises torch.OutOfMemoryError, nothing changed, when the backend cannot."""
+        alloc = self.allocator
+        longest = max((alloc.blocks_for(s.prompt_len + s.max_tokens) for s in self.requests.values()), default=1)
+        plan = alloc.plan_resize(max(target, longest))
+        if plan.num_blocks == alloc.num_blocks:
+            return None
+        self.backend.resize_kv(plan)
+        alloc.apply(plan)
+        if plan.moves:
+            for seq in self.scheduler.running:
+                seq.block_table = [plan.moves.get(b, b) for b in seq.block_table]
+        return plan
+
+    def _follow_pool_target(self) -> None:
+        """Resize the pool where the policy asks (only a policy that sizes the pool ever does), before the
+        step is packed: a shrink for memory another process took lands before the step that would OOM."""
+        target = self.policy.kv_pool_target(self.backend.probe.sample())
+        old = self.allocator.num_blocks
+        if target is None or target == old:
+            return
+        try:
+            plan = self.resize_kv_pool(target)
+        except torch.OutOfMemoryError as e:
+            self.backend.recover_from_oom()
+            self.policy.observe_pool(old, old, str(e))
+            return
+        self.policy.observe_pool(old, plan.num_blocks if plan else old)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that got a token or finished."""
+        self._follow_pool_target()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []

@@ -13,6 +13,7 @@ from engine.attention import (
     build_attention_metadata,
     check_backend,
     kv_cache_bytes_per_block,
+    resize_kv_cache,
 )
 from engine.batch_invariance import linear_min_rows
 from engine.dtype_choice import choose_dtype
@@ -23,6 +24,7 @@ from telemetry.probes.cpu import tensor_bytes
 from telemetry.units import parse_bytes
 
 if TYPE_CHECKING:
+    from engine.kv_cache import ResizePlan
     from engine.scheduler import ScheduledBatch
 
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
@@ -84,15 +86,41 @@ class TorchBackend:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
         self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, block_size, self.dtype, self.device)
-        self.max_model_len = min(
-            self.config.max_position_embeddings, self.num_blocks * block_size, max_model_len or 1 << 62
-        )
+        self._context_cap = min(self.config.max_position_embeddings, max_model_len or 1 << 62)
         if probe is None:
             device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
             idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
             probe = make_probe(device_name, capacity, idle_bytes=idle)
         self.probe = probe
         self.sampler = Sampler(seed)
+        self.block_bytes = kv_cache_bytes_per_block(self.config, block_size, self.dtype)
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's context, capped by --max-model-len and by the pool as it is now (it may be resized)."""
+        return min(self._context_cap, self.num_blocks * self.block_size)
+
+    def resize_kv(self, plan: ResizePlan) -> float:
+        """Reallocate and copy each layer's K and V (engine/attention.py: resize_kv_cache); returns the
+        measured seconds. The engine calls it between steps, so no step's activations are live.
+
+        On CUDA the mechanism is the same, a new tensor and a copy per K and V per layer, followed by
+        empty_cache so the old tensors go back to the driver: one contiguous tensor per layer is what
+        flash-attn's paged kernel needs, the transient is the growth plus one tensor, and a copy at
+        device bandwidth costs milliseconds. CUDA virtual memory (cuMemMap) would grow in place without
+        the copy, but needs a binding we do not ship. A grow that runs out of memory part way raises
+        torch.OutOfMemoryError with num_blocks unchanged: every tensor is whole and holds at least the
+        old blocks, so the pool is still a correct pool of the old size. A shrink's transient is one
+        new tensor, smaller than the old one it replaces.
+        """
+        t0 = time.perf_counter()
+        resize_kv_cache(self.kv_caches, plan.num_blocks, plan.moves)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.num_blocks = plan.num_blocks
+        if hasattr(self.probe, "idle_bytes"):  # computed probes (CPU) are told the new footprint
+            self.probe.idle_bytes += plan.delta * self.block_bytes
+        return time.perf_counter() - t0
 
     def _default_num_blocks(self, capacity: int | None, fraction: float) -> int:
         per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)

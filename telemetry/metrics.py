@@ -59,12 +59,14 @@ CONTROLLER_COUNTERS = {
     "chunks": "headroom_chunked_prefills",
     "ooms_recovered": "headroom_ooms_recovered",
     "rejected_too_long": "headroom_rejected_too_long",
+    "kv_pool_resizes": "headroom_kv_pool_resizes",
 }
 CONTROLLER_GAUGES = {
     "budget_bytes": "headroom_memory_budget_bytes",
     "predicted_peak_bytes": "headroom_predicted_peak_bytes",
     "margin_bytes": "headroom_estimator_margin_bytes",
     "emergency": "headroom_controller_emergency",
+    "kv_pool_bytes": "headroom_kv_pool_bytes",
 }
 
 

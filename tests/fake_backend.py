@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from engine.kv_cache import ResizePlan
 from engine.scheduler import ScheduledBatch
 from telemetry.probes.null import NullProbe
 
@@ -32,6 +33,15 @@ class FakeBackend:
                 kv = [self.slots[seq.block_table[p // bs] * bs + p % bs] for p in range(end)]
                 out.append(1 + (sum(t * (i + 7) for i, t in enumerate(kv)) % 997))
         return out
+
+    def resize_kv(self, plan: ResizePlan) -> float:
+        bs = self.block_size
+        for old, new in plan.moves.items():
+            self.slots[new * bs : (new + 1) * bs] = self.slots[old * bs : (old + 1) * bs]
+        keep = min(plan.num_blocks, self.num_blocks) * bs
+        self.slots = self.slots[:keep] + [-1] * (plan.num_blocks * bs - keep)
+        self.num_blocks = plan.num_blocks
+        return 0.0
 
     def now(self) -> float:
         return time.monotonic()

@@ -110,3 +110,28 @@ def test_generate_cli_answers_paris():
         capture_output=True, text=True, timeout=300, check=True,
     )
     assert "Paris" in out.stdout
+
+
+def test_kv_pool_resizes_between_steps_keep_greedy_tokens(invariant_dtype, reference):
+    """Grow, then shrink with in-use blocks moved down (engine/kv_cache.py), between steps on the real
+    model: the KV copied by resize_kv_cache must be exactly what attention reads afterwards."""
+    llm = LLM("default", num_blocks=64, dtype=invariant_dtype)
+    engine = llm.engine
+    seqs = [
+        engine.add_request(str(i), llm.tokenizer.encode(p, add_special_tokens=True), GREEDY)
+        for i, p in enumerate(PROMPTS)
+    ]
+    hold = engine.allocator.allocate(40)
+    engine.step()  # the prompts take blocks 40 and up
+    engine.allocator.free(hold)
+    assert engine.resize_kv_pool(128).num_blocks == 128
+    sizes, moved = iter((30, 96, 24)), 0
+    while engine.has_unfinished():
+        engine.step()
+        target = next(sizes, None)
+        if target is not None:
+            plan = engine.resize_kv_pool(target)
+            moved += len(plan.moves) if plan else 0
+    assert moved > 0
+    assert [s.output_ids for s in seqs] == reference
+    assert engine.backend.kv_caches[0][0].shape[0] == engine.allocator.num_blocks

@@ -76,6 +76,9 @@ def controller_metrics(state: dict[str, Any], ooms_recovered: int) -> dict[str, 
     floor = (estimator.get("margin") or {}).get("floor_bytes")
     if floor is not None:
         out["margin_bytes"] = floor
+    pool = state.get("kv_pool") or {}
+    if pool.get("sized"):
+        out["kv_pool_bytes"] = pool["pool_bytes"]
     if "emergency" in state:
         out["emergency"] = float(bool(state["emergency"]))
     return out

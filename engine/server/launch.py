@@ -14,8 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from engine.config import EngineConfig, ServerConfig
-from engine.factory import build_backend, build_policy
-from engine.llm_engine import LLMEngine
+from engine.factory import build_engine
 from engine.sequence import Sequence
 from engine.server.app import create_app
 from engine.server.async_engine import AsyncEngine
@@ -36,14 +35,14 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
     else:
         logger.info("loading twin profile %s", ecfg.profile)
     t0 = time.monotonic()
-    backend = build_backend(ecfg)
+    engine = build_engine(ecfg)  # sizes the KV pool where the controller owns it
+    backend = engine.backend
     if ecfg.backend == "torch":
         logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
     logger.info(
         "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
         backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
     )  # fmt: skip
-    engine = LLMEngine(backend, build_policy(ecfg))
     names = list(dict.fromkeys(scfg.served_model_name or [backend.model_name, ecfg.model]))
     name = names[0]
     metrics = Metrics(name, backend.max_model_len)

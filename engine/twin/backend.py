@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 
+from engine.kv_cache import ResizePlan
 from engine.scheduler import ScheduledBatch
 from engine.sequence import TokenLogprob
 from engine.twin.latency import LatencyModel, StepWork
 from engine.twin.memo import LRUMemo
-from engine.twin.memory import MEMO_SIZE, MemoryModel, StepMemory, StepResult
+from engine.twin.memory import MEMO_SIZE, DeviceOOM, MemoryModel, StepMemory, StepResult
 from engine.twin.profile import DEFAULT_PROFILE, Profile, load_profile
 from telemetry.probes.null import NullProbe
 from telemetry.record import MemorySample, StepShape
@@ -92,6 +93,10 @@ class TwinBackend:
         # identical steps report one (read-only) sample; the key holds cumulative counters, hence the bound
         self._samples: LRUMemo[tuple, MemorySample] = LRUMemo(MEMO_SIZE)
 
+    @property
+    def block_bytes(self) -> int:
+        return self.memory.block_bytes
+
     # -- clock -----------------------------------------------------------------------------------
     def now(self) -> float:
         if self.realtime:
@@ -156,7 +161,7 @@ class TwinBackend:
 
     def _finish_step(self, duration: float, res: StepResult) -> None:
         m = self.memory
-        skey = (res, m.state_id, m.retries, m.ooms)
+        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external)
         sample = self._samples.get(skey)
         if sample is None:
             sample = self._samples.put(skey, self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before))
@@ -168,6 +173,45 @@ class TwinBackend:
             time.sleep(max(0.0, start + duration - self.now()))
         else:
             self._t = start + duration
+
+    def resize_kv(self, plan: ResizePlan) -> float:
+        """Resize the modelled KV pool (engine/twin/memory.py: tensor by tensor, allocate, copy, free) and
+        charge the virtual clock what it costs on the card: the moved blocks and the kept pool are read
+        and written once at the copy bandwidth, plus one cudaMalloc per new tensor ([kv_resize]).
+        Copying, not mapping pages: it is what the torch backend does on CUDA (engine/torch_backend.py),
+        and at ~1 TB/s a 4 GiB pool copies in under 10 ms, a fraction of one prefill step. Raises
+        torch.OutOfMemoryError (pool unchanged, nothing charged) when the transient does not fit."""
+        m = self.memory
+        try:
+            m.resize_pool(plan.num_blocks)
+        except DeviceOOM as e:
+            import torch  # only for the exception type a real device raises
+
+            raise torch.OutOfMemoryError(str(e)) from e
+        self.num_blocks = plan.num_blocks
+        self.probe.idle_bytes = m.persistent
+        cost = self.resize_cost(plan)
+        self._t += 0.0 if self.realtime else cost
+        if self.realtime:
+            time.sleep(cost)
+        self.busy_time += cost
+        return cost
+
+    def resize_cost(self, plan: ResizePlan) -> float:
+        """Seconds one resize takes on the card (see resize_kv)."""
+        r = self.profile.section("kv_resize")
+        copied = (min(plan.num_blocks, plan.old_num_blocks) + len(plan.moves)) * self.memory.block_bytes
+        return 2 * copied / float(r["copy_bytes_per_s"]) + self.memory.kv_tensors * float(r["malloc_s"])
+
+    def set_external(self, nbytes: int) -> int:
+        """Another process on the card asks for `nbytes` in all (0: it lets go); it gets what the driver
+        has free (MemoryModel.set_external) and the bytes it holds are returned. A scenario calls this
+        between steps, as often as the other process retries. NVML sees it at once: the probe's latest
+        sample is refreshed, as a between-steps NVML read would be."""
+        held = self.memory.set_external(nbytes)
+        live = self.memory.allocated
+        self.probe._last = self._sample(live, self.memory.reserved, live)
+        return held
 
     def recover_from_oom(self) -> None:
         """torch.cuda.empty_cache(): hand every wholly free cached segment back to the driver."""

@@ -201,10 +201,11 @@ class MemoryModel:
         self.nvml_total = int(dev["nvml_total_bytes"])
         self.context = int(dev["cuda_context_bytes"])
         self.weights = int(model["weight_bytes"])
-        self.kv_pool = num_blocks * block_size * int(model["kv_bytes_per_token"])
+        self.block_bytes = block_size * int(model["kv_bytes_per_token"])
+        self.kv_tensors = 2 * int(model["layers"])  # a K and a V tensor per layer (flash-attn's paged layout)
         self.workspaces = int(mem["idle_workspace_bytes"])
-        self.persistent = self.weights + self.kv_pool + self.workspaces
-        self.limit = self.cuda_total - self.context - self.persistent
+        self.external = 0  # bytes other processes hold on the device
+        self._set_pool(num_blocks)
         self.logit_row = model["vocab"] * int(mem["logits_dtype_bytes"])
         self.prob_row = model["vocab"] * 4
         self.per_prefill_seq = int(mem["prefill_seq_workspace_bytes"])
@@ -220,10 +221,47 @@ class MemoryModel:
         self.retries = 0
         self.ooms = 0
 
+    def _set_pool(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_pool = num_blocks * self.block_bytes
+        self.persistent = self.weights + self.kv_pool + self.workspaces
+        self.limit = self.cuda_total - self.context - self.persistent - self.external
+
     @property
     def idle_nvml_used(self) -> int:
         """What nvidia-smi shows before the first step (fact F1)."""
         return self.context + self.persistent
+
+    @property
+    def driver_free(self) -> int:
+        """Bytes cudaMalloc can still get from the driver without flushing this process's cache."""
+        return self.limit - self.reserved
+
+    def resize_pool(self, num_blocks: int) -> None:
+        """Reallocate the KV pool tensor by tensor (allocate the new one, copy, free the old one), as the
+        torch backend does on CUDA. The transient peak above the old footprint is the growth plus the
+        smaller of one old or one new tensor. As cudaMalloc would, a resize that does not fit flushes the
+        cache and retries; if it still does not fit it raises DeviceOOM and the pool is unchanged. The
+        freed old tensors go back to the driver (the backend calls empty_cache after a resize)."""
+        old, new = self.kv_pool, num_blocks * self.block_bytes
+        transient = max(new - old, 0) + min(old, new) // self.kv_tensors
+        if transient > self.driver_free:
+            self.empty_cache()
+            if transient > self.driver_free:
+                raise DeviceOOM(
+                    f"CUDA out of memory resizing the KV pool from {old / MIB:.0f} to {new / MIB:.0f} MiB: needs "
+                    f"{transient / MIB:.0f} MiB at its peak, {self.driver_free / MIB:.0f} MiB free"
+                )
+        self._set_pool(num_blocks)
+
+    def set_external(self, nbytes: int) -> int:
+        """Another process holds `nbytes` of the device (0: it let go). It can only take what the driver
+        has free (never this process's cached segments): returns what it holds."""
+        self.external = 0
+        self._set_pool(self.num_blocks)
+        self.external = max(0, min(nbytes, self.driver_free))
+        self._set_pool(self.num_blocks)
+        return self.external
 
     def _intern(self, key: tuple) -> tuple[int, tuple[tuple, int]]:
         sid = self._state_ids.get(key)
@@ -258,7 +296,8 @@ class MemoryModel:
         return self.state[3]
 
     def device_used(self) -> int:
-        return self.context + self.persistent + self.reserved
+        """NVML's used bytes: this process's footprint plus what other processes hold."""
+        return self.context + self.persistent + self.reserved + self.external
 
     def trace(self, m: StepMemory, held: int, new: int) -> list[tuple[str, object, int]]:
         """The step's dynamic allocations in order: (op, tag, bytes), op "a"llocate or "f"ree. The decoder
@@ -284,7 +323,7 @@ class MemoryModel:
         allocator is left as the failed cudaMalloc left it; the retained output of the step before stays."""
         held = self.held
         new = 2 if held == 1 else 1  # two alternating tags keep memo keys small
-        key = (self.state_id, m, held)
+        key = (self.state_id, m, held, self.limit)
         hit = self._memo.get(key)
         entry = self._states.get(hit[0]) if hit is not None else None
         if entry is None:

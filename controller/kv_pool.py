@@ -1,0 +1,96 @@
+"""The KV pool size: the last static cap, set by the controller from the memory it measures (issue #15).
+
+Once every step's peak is bounded by the budget, memory that a hand-set pool keeps free for unbounded
+prefills can hold KV instead. The pool is sized so that, beside it, the device keeps
+
+    capacity - external - idle - headroom >= reserve
+
+where idle includes the pool itself and `reserve` is what a profiling step of `pool_reserve_tokens`
+prompt tokens measured above idle at start-up (two back-to-back steps, so what the first leaves
+allocated into the second counts, as vLLM's and TGI's profile runs do with their largest step). The
+budget's parts come from the probes as for admission (controller/budget.py); `room` is the left side
+minus the reserve, in bytes:
+
+- room < 0: memory got tight (another process took some, or the idle footprint grew): shrink at once by
+  the blocks it takes to restore the reserve, before the next step is packed. The engine never goes
+  below the blocks in use; the budget then bounds steps as usual.
+- room >= one block plus `pool_hysteresis_mib`, for `pool_grow_hold` consecutive decisions: grow by the
+  whole room. After a grow the room sits in [0, one block), inside the band, so nothing oscillates.
+- at most one resize per `pool_cooldown` steps, shrinks for tight memory excepted.
+External usage is the budget's recent maximum (a window of sampled steps), so a pool grows back only
+after the other process's memory has been gone for that window: late, never early.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controller.config import ControllerConfig
+
+MIB = 1 << 20
+
+
+class PoolSizer:
+    def __init__(self, cfg: ControllerConfig) -> None:
+        self.cfg = cfg
+        self.block_bytes = 0  # 0: the pool is not ours to size (a fixed --num-blocks, or a static policy)
+        self.reserve = 0
+        self.num_blocks = 0
+        self.sizing: dict[str, Any] | None = None
+        self.resizes = 0
+        self.failed = 0
+        self._room_decisions = 0
+        self._last_resize_step = -(1 << 62)
+
+    def configure(self, cfg: ControllerConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def enabled(self) -> bool:
+        return self.block_bytes > 0
+
+    def start(self, num_blocks: int, block_bytes: int, reserve: int) -> None:
+        self.num_blocks, self.block_bytes, self.reserve = num_blocks, block_bytes, max(0, reserve)
+
+    def blocks_for_room(self, room: int) -> int:
+        """Blocks that `room` bytes hold (negative room: minus the blocks it takes to cover it)."""
+        return room // self.block_bytes
+
+    def decide(self, step: int, room: int) -> tuple[int, str] | None:
+        """The pool size to move to now and why, or None to keep it."""
+        if room < 0:
+            target = max(1, self.num_blocks + self.blocks_for_room(room))
+            if target < self.num_blocks:
+                self._room_decisions = 0
+                return target, f"memory tight: {-room / MIB:.0f} MiB short of the {self.reserve / MIB:.0f} MiB reserve"
+            return None
+        if room < self.block_bytes + self.cfg.pool_hysteresis_mib * MIB:
+            self._room_decisions = 0
+            return None
+        self._room_decisions += 1
+        if self._room_decisions < self.cfg.pool_grow_hold or step - self._last_resize_step < self.cfg.pool_cooldown:
+            return None
+        self._room_decisions = 0
+        return self.num_blocks + self.blocks_for_room(room), (
+            f"headroom persisted: {room / MIB:.0f} MiB above the reserve for {self.cfg.pool_grow_hold} decisions"
+        )
+
+    def resized(self, step: int, num_blocks: int, ok: bool) -> None:
+        if ok:
+            self.resizes += num_blocks != self.num_blocks
+            self.num_blocks = num_blocks
+        else:
+            self.failed += 1
+        self._last_resize_step = step
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "sized": self.enabled,
+            "num_blocks": self.num_blocks,
+            "block_bytes": self.block_bytes,
+            "pool_bytes": self.num_blocks * self.block_bytes,
+            "reserve_bytes": self.reserve,
+            "resizes": self.resizes,
+            "failed_resizes": self.failed,
+            "start_up": self.sizing,
+        }

@@ -1,0 +1,89 @@
+"""The KV pool sized by the controller (issue #15, step 2): start-up sizing from a profiling step, online
+shrink when memory gets tight and grow back when the room persists, each resize a decision with a reason."""
+
+from __future__ import annotations
+
+from controller.config import ControllerConfig
+from controller.kv_pool import MIB, PoolSizer
+from engine.cli import engine_config
+from engine.factory import build_engine
+from engine.sampling_params import SamplingParams
+from telemetry.metrics import Metrics
+
+
+def twin_engine(*flags: str):
+    return build_engine(engine_config(["--backend", "twin", *flags]))
+
+
+def test_sizer_shrinks_at_once_and_grows_only_after_the_room_persists():
+    cfg = ControllerConfig(pool_grow_hold=3, pool_cooldown=0, pool_hysteresis_mib=64.0)
+    s = PoolSizer(cfg)
+    s.start(num_blocks=100, block_bytes=32 * MIB, reserve=1024 * MIB)
+    assert s.decide(1, -1) == (99, s.decide(1, -1)[1])  # one byte short: one block
+    assert s.decide(1, -70 * MIB)[0] == 97
+    assert s.decide(1, 90 * MIB) is None  # inside the band: one block + 64 MiB
+    assert [s.decide(k, 200 * MIB) for k in (2, 3)] == [None, None]
+    target, reason = s.decide(4, 200 * MIB)
+    assert target == 106 and "persisted" in reason
+    s.resized(4, 106, ok=True)
+    assert (s.num_blocks, s.resizes) == (106, 1)
+
+
+def test_twin_pool_is_sized_at_start_and_shown_in_the_state():
+    e = twin_engine()
+    state = e.policy.state()
+    pool, sizing = state["kv_pool"], state["kv_pool"]["start_up"]
+    assert pool["sized"] and pool["num_blocks"] == e.allocator.num_blocks == e.backend.num_blocks
+    parts = ("external", "idle_without_pool", "headroom", "reserve")
+    free = sizing["capacity"] - sum(sizing[k] for k in parts)
+    assert sizing["num_blocks"] == free // sizing["block_bytes"]  # the pool fills what the reserve leaves
+    assert e.allocator.num_blocks > 64  # more than the seed's hand-set pool
+    assert any(d["action"] == "kv_pool_size" for d in state["decisions"])
+
+
+def test_num_blocks_keeps_a_fixed_pool():
+    e = twin_engine("--num-blocks", "64")
+    assert e.allocator.num_blocks == 64 and not e.policy.state()["kv_pool"]["sized"]
+    assert twin_engine("--num-blocks", "64", "--policy", "seed-static").allocator.num_blocks == 64
+
+
+def test_pool_shrinks_before_the_step_when_another_process_takes_memory_and_grows_back():
+    e = twin_engine()
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    for i in range(8):
+        e.add_request(f"r{i}", [1 + i] * 300, params)
+    for _ in range(20):
+        e.step()
+    sized = e.allocator.num_blocks
+    # The other process gets only what the driver has free, and retries between steps for the rest: each
+    # time it takes more, the pool shrinks before the next step is packed.
+    took = [e.backend.set_external(2048 * MIB)]
+    while took[-1] < 2048 * MIB and len(took) < 20:
+        e.step()
+        took.append(e.backend.set_external(2048 * MIB))
+    assert took[0] < 2048 * MIB == took[-1]
+    e.step()
+    assert e.allocator.num_blocks <= sized - 2048 // 32 + 1
+    assert e.ooms == 0
+    e.backend.set_external(0)
+    while e.has_unfinished():
+        e.step()
+    for i in range(8):  # a second wave, after the other process left
+        e.add_request(f"s{i}", [1 + i] * 300, params)
+    while e.has_unfinished():
+        e.step()
+    actions = [d["action"] for d in e.policy.state()["decisions"]]
+    assert "kv_pool_shrink" in actions and "kv_pool_grow" in actions[actions.index("kv_pool_shrink") :]
+    assert e.ooms == 0 and e.allocator.num_blocks >= sized - 1
+
+
+def test_metrics_export_pool_bytes_and_resizes():
+    from engine.server.health_routes import controller_metrics
+
+    e = twin_engine()
+    m = Metrics("twin")
+    m.observe_controller(controller_metrics(e.policy.state(), 0))
+    label = {"model_name": "twin"}
+    pool = e.allocator.num_blocks * e.backend.block_bytes
+    assert m.registry.get_sample_value("headroom_kv_pool_bytes", label) == pool
+    assert m.registry.get_sample_value("headroom_kv_pool_resizes_total", label) == 1  # the start-up sizing
