@@ -27,6 +27,7 @@ from engine.server.launch import build_app
 logger = logging.getLogger("headroom.ray")
 
 METRICS_PUSH_S = 1.0
+REPLICA_HEADER = b"x-headroom-replica"
 _METRICS = ForwardedRequest("GET", "/metrics", b"", (), b"", 0)
 
 
@@ -51,8 +52,11 @@ class EngineReplica:
         self._pusher = asyncio.create_task(self._push_metrics())
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[dict[str, Any]]:
-        """The app's ASGI messages for one forwarded request (call with `handle.options(stream=True)`)."""
+        """The app's ASGI messages for one forwarded request (call with `handle.options(stream=True)`); the
+        answer names its replica in `x-headroom-replica`."""
         async for message in call_app(self.app, request):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (REPLICA_HEADER, self.replica.encode())]}
             yield message
 
     async def record_routing_stats(self) -> dict[str, Any]:

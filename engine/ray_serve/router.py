@@ -37,8 +37,13 @@ class HeadroomRouter(FIFOMixin, RequestRouter):
         }
         return [[by_id[rid]] for rid in rank(views, prompt, self._rng)]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._ledger.add(replica_id, _prompt_tokens(pending_request))
+    async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False) -> Any:
+        """Ray's choice (FIFO: it may serve an older request with the replica chosen for this one), entered in
+        the ledger with the prompt of the request it serves. Ray reports a routed request to
+        `on_request_routed` only when replicas may reject, so the ledger hooks in here."""
+        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        self._ledger.add(replica.replica_id, _prompt_tokens(pending_request))
+        return replica
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
