@@ -65,6 +65,7 @@ CONTROLLER_GAUGES = {
     "predicted_peak_bytes": "headroom_predicted_peak_bytes",
     "margin_bytes": "headroom_estimator_margin_bytes",
     "emergency": "headroom_controller_emergency",
+    "effective_prefill_tokens": "headroom_effective_prefill_tokens",
 }
 
 

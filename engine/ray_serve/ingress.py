@@ -39,4 +39,3 @@ class Ingress:
         entries = await self._board.entries.remote()
         text = merge_expositions({replica: entry["text"] for replica, entry in entries.items()})
         return Response(text, media_type=METRICS_CONTENT_TYPE)
-

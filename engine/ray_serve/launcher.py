@@ -45,9 +45,9 @@ def replica_resources(ecfg: EngineConfig) -> dict[str, float]:
 
 def fleet_app(ecfg: EngineConfig, scfg: ServerConfig) -> Any:
     """The bound Serve application: the ingress over `scfg.replicas` engine replicas."""
-    router = None
+    routing: dict[str, Any] = {}  # Ray's default router unless the headroom one is asked for
     if scfg.router == "headroom":
-        router = RequestRouterConfig(
+        routing["request_router_config"] = RequestRouterConfig(
             request_router_class=HeadroomRouter,
             request_routing_stats_period_s=STATS_PERIOD_S,
             request_routing_stats_timeout_s=5 * STATS_PERIOD_S,
@@ -58,7 +58,7 @@ def fleet_app(ecfg: EngineConfig, scfg: ServerConfig) -> Any:
         num_replicas=scfg.replicas,
         max_ongoing_requests=per_replica,
         ray_actor_options=replica_resources(ecfg),
-        request_router_config=router,
+        **routing,
         graceful_shutdown_timeout_s=scfg.shutdown_grace,
     )
     ingress = serve.deployment(Ingress).options(

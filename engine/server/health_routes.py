@@ -76,6 +76,8 @@ def controller_metrics(state: dict[str, Any], ooms_recovered: int) -> dict[str, 
     floor = (estimator.get("margin") or {}).get("floor_bytes")
     if floor is not None:
         out["margin_bytes"] = floor
+    if state.get("effective_prefill_tokens") is not None:  # what a fleet's headroom router routes by
+        out["effective_prefill_tokens"] = state["effective_prefill_tokens"]
     if "emergency" in state:
         out["emergency"] = float(bool(state["emergency"]))
     return out
