@@ -5,7 +5,7 @@ admit into its next step (`effective_prefill_tokens`), the prompt tokens already
 blocks and its queue. Those stats are up to a stats period old, so the router adds what it has routed to the
 replica since (the `Ledger`). A replica can take a prompt now when the prompt's first step (the whole prompt,
 or the largest chunk its controller admits) fits beside what is queued ahead of it, and its free KV holds the
-prompt. Two of those are drawn at random and the one with less work ahead goes first; when none can, the same
+prompt. Two of those are drawn at random and the one with fewer prompt tokens queued goes first; when none can, the same
 draw runs over all replicas, so a request is never refused here (the replica's own admission decides).
 """
 
@@ -57,10 +57,6 @@ class Headroom:
             and prompt_tokens <= self.free_tokens
         )
 
-    def steps_ahead(self, prompt_tokens: int) -> float:
-        """Prefill steps until this prompt is in, at the replica's current step size (less is better)."""
-        return (self.queued_tokens + prompt_tokens) / max(1, self.step_tokens)
-
 
 def rank(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random) -> list[K]:
     """Replica keys best first: the better of two drawn among those that can take the prompt now (among all
@@ -69,9 +65,11 @@ def rank(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random) ->
     pool = able or [k for k, v in views.items() if v.healthy] or list(views)
     drawn = rng.sample(pool, min(2, len(pool)))
 
-    def work_ahead(k: K) -> tuple[bool, float, int]:
+    def work_ahead(k: K) -> tuple[bool, int, int]:
+        """Prompt tokens queued ahead, not steps: the adaptive controller's prefill cap grows with the prompts
+        a replica has seen, so dividing by it would pull long prompts to the replica that took the last one."""
         v = views[k]
-        return (not v.healthy, v.steps_ahead(prompt_tokens), v.queue_len)
+        return (not v.healthy, v.queued_tokens, v.queue_len)
 
     first = sorted(drawn, key=work_ahead)
     return first + sorted((k for k in views if k not in first), key=work_ahead)
