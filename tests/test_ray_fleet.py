@@ -97,6 +97,23 @@ def test_metrics_serves_every_replica_with_a_replica_label(fleet: str) -> None:
     assert labelled == set(live_replicas())
 
 
+def running(url: str) -> float:
+    """Requests running over the whole fleet, from its /metrics."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running{")
+    )
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_replica(fleet: str) -> None:
+    body = {"model": "default", "messages": CHAT, "max_tokens": 2000, "stream": True}
+    with httpx.Client(base_url=fleet, timeout=60) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+        wait_for(lambda: running(fleet) == 1, 20, "the stream to run on a replica")
+    wait_for(lambda: running(fleet) == 0, 20, "the left request to be aborted on its replica")
+
+
 async def stream_one(http: httpx.AsyncClient, started: asyncio.Event, counter: list[int], total: int) -> dict:
     """One long streamed chat: which replica answered and how it ended (done, or the error event's code)."""
     body = {"model": "default", "messages": CHAT, "max_tokens": 400, "stream": True}
