@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     p.add_argument("--chat-rate", type=float, default=6.0, help="chat requests per second")
-    p.add_argument("--long-rate", type=float, default=0.5, help="8192-token prompts per second")
+    p.add_argument("--long-rate", type=float, default=1.0, help="8192-token prompts per second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routers", nargs="+", default=["default", "headroom"], choices=["default", "headroom"])
     p.add_argument("--out", default=None)

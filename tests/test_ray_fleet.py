@@ -34,7 +34,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[str]:
-    url = launcher.start(EngineConfig(backend="twin", realtime=True), ServerConfig(replicas=REPLICAS))
+    url = launcher.start(EngineConfig(backend="twin", realtime=True), ServerConfig(port=0, replicas=REPLICAS))
     try:
         yield url
     finally:
@@ -109,7 +109,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_replica(fleet: str) -> None:
     body = {"model": "default", "messages": CHAT, "max_tokens": 2000, "stream": True}
     with httpx.Client(base_url=fleet, timeout=60) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: "))
+        lines = r.iter_lines()  # held: dropping the iterator would close the stream here
+        next(line for line in lines if line.startswith("data: "))
         wait_for(lambda: running(fleet) == 1, 20, "the stream to run on a replica")
     wait_for(lambda: running(fleet) == 0, 20, "the left request to be aborted on its replica")
 
