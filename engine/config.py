@@ -17,6 +17,7 @@ from typing import Any, Self
 from telemetry.units import parse_bytes
 
 POLICIES = ("adaptive", "fixed", "seed-static", "vllm")
+ROUTERS = ("headroom", "default")
 BACKENDS = ("torch", "twin")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTIONS = ("auto", "sdpa", "flash")
@@ -145,12 +146,28 @@ class ServerConfig(_Config):
     )  # fmt: skip
     trace_file: str | None = _opt(None, "write every step record as a JSON line here", group="server")
     log_level: str = _opt("info", "server log level", ("debug", "info", "warning", "error"), "server")
+    replicas: int = _opt(
+        1, "engine replicas behind one port on Ray Serve (1 with no --ray-address: one process, no Ray)",
+        group="fleet",
+    )  # fmt: skip
+    ray_address: str | None = _opt(
+        None, "join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of starting a local one", group="fleet"
+    )
+    router: str = _opt(
+        "headroom", "fleet: headroom (by each replica's measured prompt headroom) or default (Ray's pow-2 by queue)",
+        ROUTERS, "fleet",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))  # JSON gives a list
         self._check_choices()
-        self._check_positive("max_waiting")
+        self._check_positive("max_waiting", "replicas")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535]; got {self.port}")
         if self.shutdown_grace < 0:
             raise ConfigError(f"shutdown_grace must not be negative; got {self.shutdown_grace}")
+
+    @property
+    def on_ray(self) -> bool:
+        """Served by a Ray Serve fleet rather than by one process."""
+        return self.replicas > 1 or self.ray_address is not None

@@ -67,6 +67,7 @@ CONTROLLER_GAUGES = {
     "margin_bytes": "headroom_estimator_margin_bytes",
     "emergency": "headroom_controller_emergency",
     "kv_pool_bytes": "headroom_kv_pool_bytes",
+    "effective_prefill_tokens": "headroom_effective_prefill_tokens",
 }
 
 

@@ -70,12 +70,17 @@ def model_variable_metric(dashboard: dict) -> str:
     return match.group(1)
 
 
+SELECTOR = '{model_name=~"$model_name",replica=~"$replica"'
+
+
 def test_dashboards_are_templated() -> None:
-    """Static: every panel and query uses the datasource variable and filters on $model_name."""
+    """Static: every panel and query uses the datasource variable and filters on $model_name and $replica (a
+    `--replicas N` fleet labels every series with its replica; one process has no such label, which `.*`
+    matches)."""
     assert [p.name for p in DASHBOARDS] == ["controller.json", "serving.json"]
     for path in DASHBOARDS:
         dashboard = json.loads(path.read_text())
-        assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "model_name"}
+        assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "model_name", "replica"}
         model_variable_metric(dashboard)
         ids = [p["id"] for p in dashboard["panels"]]
         assert len(ids) == len(set(ids)), f"{path.name}: duplicate panel ids"
@@ -84,7 +89,7 @@ def test_dashboards_are_templated() -> None:
             assert panel["targets"], panel["title"]
             for target in panel["targets"]:
                 assert target["datasource"]["uid"] == "${datasource}", panel["title"]
-                assert '{model_name=~"$model_name"' in target["expr"], (panel["title"], target["expr"])
+                assert SELECTOR in target["expr"], (panel["title"], target["expr"])
 
 
 def test_every_named_metric_is_exported() -> None:
@@ -250,6 +255,7 @@ def test_model_variable_finds_the_model(loaded: tuple[str, str]) -> None:
 def substitute(expr: str, model: str) -> str:
     # A single selected value, regex-escaped as Grafana does, inside a PromQL string (backslashes doubled).
     expr = expr.replace("$model_name", re.escape(model).replace("\\", "\\\\"))
+    expr = expr.replace("$replica", ".*")  # All: one process's series have no replica label
     for var, value in BUILTINS.items():
         expr = expr.replace(var, value)
     assert "$" not in expr, expr

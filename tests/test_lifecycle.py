@@ -61,7 +61,8 @@ def test_loopback_without_keys_stays_open() -> None:
     for c in admin_client("127.0.0.1"):
         r = c.patch("/controller/config", json=PATCH)
         assert r.status_code == 200 and r.json()["config"]["margin_floor_mib"] == PATCH["margin_floor_mib"]
-        assert_error(c.patch("/controller/config", json={"margin_floor_mib": -1}), 400, param="margin_floor_mib", code="invalid_value")
+        bad = c.patch("/controller/config", json={"margin_floor_mib": -1})
+        assert_error(bad, 400, param="margin_floor_mib", code="invalid_value")
 
 
 @pytest.mark.parametrize(("api_key", "admin_key", "good"), [(None, "root", "root"), ("user", None, "user"),

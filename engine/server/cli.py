@@ -35,9 +35,16 @@ def configs(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Engin
 
 
 def _serve(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    ecfg, scfg = configs(p, args)
+    if scfg.on_ray:
+        try:
+            from engine.ray_serve.launcher import serve_fleet
+        except ImportError as e:
+            p.error(f"--replicas and --ray-address need Ray Serve ({e}): pip install 'headroom[ray]'")
+        return serve_fleet(ecfg, scfg)
     from engine.server.launch import serve
 
-    return serve(*configs(p, args))
+    return serve(ecfg, scfg)
 
 
 def register(subparsers: Any) -> None:

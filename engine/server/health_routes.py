@@ -79,6 +79,8 @@ def controller_metrics(state: dict[str, Any], ooms_recovered: int) -> dict[str, 
     pool = state.get("kv_pool") or {}
     if pool.get("sized"):
         out["kv_pool_bytes"] = pool["pool_bytes"]
+    if state.get("effective_prefill_tokens") is not None:  # what a fleet's headroom router routes by
+        out["effective_prefill_tokens"] = state["effective_prefill_tokens"]
     if "emergency" in state:
         out["emergency"] = float(bool(state["emergency"]))
     return out

@@ -1,0 +1,100 @@
+"""The headroom router's choice, free of Ray: which replicas can take a prompt now, and power of two among them.
+
+Each replica publishes (`record_routing_stats`) what its controller measured: the prompt tokens memory and cap
+admit into its next step (`effective_prefill_tokens`), the prompt tokens already queued to prefill, its free KV
+blocks and its queue. Those stats are up to a stats period old, so the router adds what it has routed to the
+replica since (the `Ledger`). A replica can take a prompt now when the prompt's first step (the whole prompt,
+or the largest chunk its controller admits) fits beside what is queued ahead of it, and its free KV holds the
+prompt. Two of those are drawn at random and the one with fewer prompt tokens queued goes first; when none can, the same
+draw runs over all replicas, so a request is never refused here (the replica's own admission decides).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict, deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+LEDGER_SLACK_S = 0.25  # a routed request counts until stats published this long after it was routed
+LEDGER_MAX_AGE_S = 30.0  # and never longer (a replica that stopped publishing)
+UNKNOWN_STEP_TOKENS = 2048  # a replica that has not published yet: assumed prompt tokens per step
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """One replica's published stats, less what was routed to it since they were taken."""
+
+    step_tokens: int  # prompt tokens its next step admits (effective_prefill_tokens)
+    queued_tokens: int  # prompt tokens queued ahead of a new request (published + routed since)
+    free_tokens: int  # KV tokens free after the queued prompts take theirs
+    queue_len: int  # requests waiting or running
+    healthy: bool = True
+
+    @classmethod
+    def of(cls, stats: Mapping[str, Any], routed_tokens: int = 0) -> Headroom:
+        if "effective_prefill_tokens" not in stats:  # no stats yet: only what this router sent
+            return cls(UNKNOWN_STEP_TOKENS, routed_tokens, 1 << 62, 0, bool(stats.get("healthy", True)))
+        queued = int(stats["queued_prefill_tokens"]) + routed_tokens
+        return cls(
+            step_tokens=int(stats["effective_prefill_tokens"]),
+            queued_tokens=queued,
+            free_tokens=int(stats["kv_blocks_free"]) * int(stats["block_size"]) - queued,
+            queue_len=int(stats["num_waiting"]) + int(stats["num_running"]),
+            healthy=bool(stats.get("healthy", True)),
+        )
+
+    def can_take(self, prompt_tokens: int) -> bool:
+        first_step = min(prompt_tokens, self.step_tokens)
+        return (
+            self.healthy
+            and self.step_tokens > 0
+            and self.queued_tokens + first_step <= self.step_tokens
+            and prompt_tokens <= self.free_tokens
+        )
+
+
+def rank(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random) -> list[K]:
+    """Replica keys best first: the better of two drawn among those that can take the prompt now (among all
+    when none can), then the other, then the rest by work ahead (Ray tries them in order if a queue is full)."""
+    able = [k for k, v in views.items() if v.can_take(prompt_tokens)]
+    pool = able or [k for k, v in views.items() if v.healthy] or list(views)
+    drawn = rng.sample(pool, min(2, len(pool)))
+
+    def work_ahead(k: K) -> tuple[bool, int, int]:
+        """Prompt tokens queued ahead, not steps: the adaptive controller's prefill cap grows with the prompts
+        a replica has seen, so dividing by it would pull long prompts to the replica that took the last one."""
+        v = views[k]
+        return (not v.healthy, v.queued_tokens, v.queue_len)
+
+    first = sorted(drawn, key=work_ahead)
+    return first + sorted((k for k in views if k not in first), key=work_ahead)
+
+
+class Ledger:
+    """Prompt tokens this router sent to each replica, kept until the replica's stats include them."""
+
+    def __init__(self, clock: Any = time.time) -> None:
+        self._clock = clock
+        self._sent: defaultdict[Hashable, deque[tuple[float, int]]] = defaultdict(deque)
+
+    def add(self, replica: Hashable, prompt_tokens: int) -> None:
+        self._sent[replica].append((self._clock(), prompt_tokens))
+
+    def routed_since(self, replica: Hashable, published_at: float | None) -> int:
+        """Tokens routed that stats published at `published_at` may not have seen (all when None)."""
+        sent = self._sent.get(replica)
+        if not sent:
+            return 0
+        seen = published_at - LEDGER_SLACK_S if published_at is not None else float("-inf")
+        cutoff = max(seen, self._clock() - LEDGER_MAX_AGE_S)
+        while sent and sent[0][0] < cutoff:
+            sent.popleft()
+        return sum(tokens for _, tokens in sent)
+
+    def forget(self, replica: Hashable) -> None:
+        self._sent.pop(replica, None)
