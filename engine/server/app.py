@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from engine.server import controller_routes, health_routes, openai_routes
 from engine.server.context import AppContext
 from engine.server.errors import install_error_handlers
+from engine.server.protocol import bound_token_ids
 
 
 def create_app(ctx: AppContext) -> FastAPI:
@@ -34,6 +35,8 @@ def create_app(ctx: AppContext) -> FastAPI:
     )
     app.state.ctx = ctx
     install_error_handlers(app)
+    schema_with_400 = app.openapi
+    app.openapi = lambda: bound_token_ids(schema_with_400(), ctx.vocab_size)  # type: ignore[method-assign]
     for module in (openai_routes, controller_routes, health_routes):
         app.include_router(module.router)
     return app

@@ -73,7 +73,27 @@ def integer(**bounds: int) -> Any:
 
 Int = integer()
 Count = integer(ge=1)  # max_tokens and friends: at least one token
-TokenIds = Annotated[list[Int], Field(min_length=1)]
+TOKEN_ID_MARK = "x-token-id"  # replaced by the vocabulary's bound in /openapi.json (bound_token_ids)
+# The vocabulary check itself answers 400 `invalid_token_id` (openai_routes), so the bounds live in the
+# schema only: pydantic would answer the same 400 with another code.
+TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0, TOKEN_ID_MARK: True}), BeforeValidator(_integral)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def bound_token_ids(schema: Any, vocab_size: int | None) -> Any:
+    """Give every prompt token id in an OpenAPI schema the model's bound, so a schema-valid id is one the
+    model has."""
+    if isinstance(schema, dict):
+        if schema.pop(TOKEN_ID_MARK, False) and vocab_size is not None:
+            schema["maximum"] = vocab_size - 1
+        for value in schema.values():
+            bound_token_ids(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            bound_token_ids(value, vocab_size)
+    return schema
+
+
 TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from
 
