@@ -47,6 +47,7 @@ def run_point(
     t = time.perf_counter()
     run = run_closed_loop(engine, con, n, inp, out, fast=fast)
     m = metrics(run, policy=cfg.policy, concurrency=con, input_len=inp, output_len=out, num_prompts=n)
+    m["kv_pool_peak_blocks"] = engine.allocator.peak_blocks
     m["wall_s"] = round(time.perf_counter() - t, 3)
     return m
 

@@ -372,6 +372,11 @@ class AdaptivePolicy:
         why = self.kv.observe(rec.preempted, shape.decode_seqs)
         if why:
             self._log("kv_ratio", why)
+        if self.pool.enabled:
+            why = self.pool.note_demand(step, rec.preempted, bool(self._step_chunks or self._step_defers),
+                                        rec.kv_blocks_free)
+            if why:
+                self._log("kv_pool_demand", why)
         if self._step_chunks or self._step_defers:
             chunks, defers, pred, threshold, scale = (self._step_chunks, self._step_defers, self._last_pred,
                                                       self._t_prefill, law.scale)

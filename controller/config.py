@@ -74,6 +74,7 @@ class ControllerConfig:
 
     # --- KV pool sizing (controller/kv_pool.py; only without --num-blocks) ------------------------------
     pool_reserve_tokens: int = _gain(1024, "tokens", 1, 1 << 20, "profiled prefill step the pool leaves room for")
+    pool_min_reserve_tokens: int = _gain(256, "tokens", 1, 1 << 20, "prefill the pool leaves room for while KV binds")
     pool_hysteresis_mib: float = _gain(256.0, "MiB", 0.0, 65536.0, "room beyond one block before the pool grows")
     pool_grow_hold: int = _gain(32, "decisions", 1, 100000, "consecutive decisions with room before a grow")
     pool_cooldown: int = _gain(16, "steps", 0, 100000, "at most one resize per this, tight-memory shrinks excepted")
@@ -131,6 +132,8 @@ def _check_cross(cfg: ControllerConfig, source: str) -> None:
         raise ValueError(f"{source}: kv_ratio_floor ({cfg.kv_ratio_floor}) exceeds kv_ratio_init")
     if not cfg.min_chunk <= cfg.cold_prefill_tokens <= cfg.max_prefill_tokens:
         raise ValueError(f"{source}: need min_chunk <= cold_prefill_tokens <= max_prefill_tokens")
+    if cfg.pool_min_reserve_tokens > cfg.pool_reserve_tokens:
+        raise ValueError(f"{source}: pool_min_reserve_tokens exceeds pool_reserve_tokens")
     if cfg.cold_decode_seqs > cfg.max_decode_seqs:
         raise ValueError(f"{source}: cold_decode_seqs exceeds max_decode_seqs")
 

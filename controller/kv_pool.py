@@ -19,6 +19,15 @@ minus the reserve, in bytes:
 - at most one resize per `pool_cooldown` steps, shrinks for tight memory excepted.
 External usage is the budget's recent maximum (a window of sampled steps), so a pool grows back only
 after the other process's memory has been gone for that window: late, never early.
+
+The reserve follows demand (`note_demand`, after each step). One fixed reserve trades prefill room against
+KV: a small one starves prefills where KV never binds ((16, 256, 256) on the twin), a large one starves KV
+where it binds (the out=4096 points). So the pool keeps the profiled reserve while KV is not the limit, and
+lowers it to `pool_min_reserve_tokens` worth (the profiled bytes scaled by tokens: the reserve is logits
+and activations, linear in the prompt tokens of the step) when a step preempts for lack of blocks; the
+room this frees is then grown into by the ordinary grow rule. It returns to the profiled reserve when a
+prefill is cut for memory while enough blocks stand free to give it back, and `pool_cooldown` steps have
+passed with no preemption; the shrink then takes free blocks only.
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ class PoolSizer:
     def __init__(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
         self.block_bytes = 0  # 0: the pool is not ours to size (a fixed --num-blocks, or a static policy)
-        self.reserve = 0
+        self.full_reserve = 0  # what the profiling step measured
+        self.kv_bound = False  # demand: True while KV binds (the reserve is lowered)
+        self._last_preemption_step = -(1 << 62)
         self.num_blocks = 0
         self.sizing: dict[str, Any] | None = None
         self.resizes = 0
@@ -50,7 +61,36 @@ class PoolSizer:
         return self.block_bytes > 0
 
     def start(self, num_blocks: int, block_bytes: int, reserve: int) -> None:
-        self.num_blocks, self.block_bytes, self.reserve = num_blocks, block_bytes, max(0, reserve)
+        self.num_blocks, self.block_bytes, self.full_reserve = num_blocks, block_bytes, max(0, reserve)
+
+    @property
+    def reserve(self) -> int:
+        """Bytes the pool leaves beside itself for prefills now: the profiled reserve, or its share for
+        `pool_min_reserve_tokens` while KV binds."""
+        if not self.kv_bound:
+            return self.full_reserve
+        return self.full_reserve * min(1.0, self.cfg.pool_min_reserve_tokens / self.cfg.pool_reserve_tokens)
+
+    def note_demand(self, step: int, preempted: int, prefill_cut: bool, free_blocks: int) -> str | None:
+        """After each step: switch the reserve to follow what binds; returns why when it switched."""
+        if preempted:
+            self._last_preemption_step = step
+            if not self.kv_bound:
+                self.kv_bound = True
+                return f"KV binds ({preempted} preempted): reserve lowered to {self.reserve / MIB:.0f} MiB"
+            return None
+        give_back = -(-(self.full_reserve - self.reserve) // self.block_bytes)
+        if (
+            self.kv_bound
+            and prefill_cut
+            and free_blocks >= give_back
+            and step - self._last_preemption_step >= self.cfg.pool_cooldown
+        ):
+            self.kv_bound = False
+            return (
+                f"prefill cut for memory with {free_blocks} blocks free: reserve back to {self.reserve / MIB:.0f} MiB"
+            )
+        return None
 
     def blocks_for_room(self, room: int) -> int:
         """Blocks that `room` bytes hold (negative room: minus the blocks it takes to cover it)."""
@@ -89,7 +129,9 @@ class PoolSizer:
             "num_blocks": self.num_blocks,
             "block_bytes": self.block_bytes,
             "pool_bytes": self.num_blocks * self.block_bytes,
-            "reserve_bytes": self.reserve,
+            "reserve_bytes": int(self.reserve),
+            "profiled_reserve_bytes": self.full_reserve,
+            "kv_bound": self.kv_bound,
             "resizes": self.resizes,
             "failed_resizes": self.failed,
             "start_up": self.sizing,

@@ -9,6 +9,7 @@ from controller.policy import Policy
 from engine.config import EngineConfig
 from engine.faults import OOMInjector
 from engine.llm_engine import Backend, LLMEngine
+from telemetry.probes.cgroup import cgroup_limit
 
 TORCH_BLOCK_SIZE = 16
 
@@ -61,10 +62,15 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
 
 def sizes_kv_pool(cfg: EngineConfig) -> bool:
     """Without --num-blocks the adaptive controller sizes the pool (engine/kv_pool.py) where the capacity is
-    a real bound: the twin, a CUDA device, or a CPU with --device-memory. On a plain CPU the capacity is
-    all of the host's RAM, which is not the engine's to fill, so the default pool stays, as it does for
-    every other policy."""
-    bounded = cfg.backend == "twin" or cfg.device_memory is not None or cfg.device.startswith("cuda")
+    a real bound: the twin, a CUDA device, a CPU with --device-memory, or a CPU under a memory cgroup limit.
+    On a plain CPU the capacity is all of the host's RAM, which is not the engine's to fill, so the default
+    pool stays, as it does for every other policy."""
+    bounded = (
+        cfg.backend == "twin"
+        or cfg.device_memory is not None
+        or cfg.device.startswith("cuda")
+        or cgroup_limit() is not None
+    )
     return cfg.num_blocks is None and cfg.policy == "adaptive" and bounded
 
 

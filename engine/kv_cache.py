@@ -34,6 +34,7 @@ class BlockAllocator:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
+        self.peak_blocks = num_blocks  # the largest the pool has been: what a benchmark point ran with
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
 
@@ -80,3 +81,4 @@ class BlockAllocator:
             taken = set(plan.moves.values())
             self._free = sorted((b for b in self._free if b < plan.num_blocks and b not in taken), reverse=True)
         self.num_blocks = plan.num_blocks
+        self.peak_blocks = max(self.peak_blocks, plan.num_blocks)

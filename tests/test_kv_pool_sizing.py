@@ -87,3 +87,29 @@ def test_metrics_export_pool_bytes_and_resizes():
     pool = e.allocator.num_blocks * e.backend.block_bytes
     assert m.registry.get_sample_value("headroom_kv_pool_bytes", label) == pool
     assert m.registry.get_sample_value("headroom_kv_pool_resizes_total", label) == 1  # the start-up sizing
+
+
+def test_reserve_lowers_while_kv_binds_and_returns_when_prefills_are_short():
+    cfg = ControllerConfig(pool_cooldown=4, pool_reserve_tokens=1024, pool_min_reserve_tokens=256)
+    s = PoolSizer(cfg)
+    s.start(num_blocks=100, block_bytes=32 * MIB, reserve=1024 * MIB)
+    assert s.note_demand(1, preempted=0, prefill_cut=True, free_blocks=50) is None  # KV never bound
+    assert s.reserve == 1024 * MIB
+    assert "KV binds" in s.note_demand(2, preempted=3, prefill_cut=False, free_blocks=0)
+    assert s.reserve == 256 * MIB
+    assert s.note_demand(3, preempted=0, prefill_cut=True, free_blocks=50) is None  # too soon after a preemption
+    assert s.note_demand(6, preempted=0, prefill_cut=True, free_blocks=23) is None  # 24 blocks needed to give back
+    assert "reserve back" in s.note_demand(6, preempted=0, prefill_cut=True, free_blocks=24)
+    assert s.reserve == 1024 * MIB
+
+
+def test_kv_bound_run_grows_the_pool_into_the_lowered_reserve():
+    e = twin_engine()
+    start = e.allocator.num_blocks
+    params = SamplingParams(max_tokens=4096, ignore_eos=True)
+    for i in range(16):
+        e.add_request(f"r{i}", [1 + i] * 32, params)
+    for _ in range(3000):
+        e.step()
+    pool = e.policy.state()["kv_pool"]
+    assert pool["kv_bound"] and e.allocator.num_blocks > start and e.ooms == 0

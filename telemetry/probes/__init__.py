@@ -31,8 +31,9 @@ def make_probe(
     """The probe for `device` ("cuda", "cuda:N", "cpu", "null").
 
     `device_memory` (bytes or "2GiB") caps capacity: on CUDA it overrides the device total, on CPU it
-    is the emulated device size. `emulate_oom` (CPU only) defaults to on exactly when an emulated size
-    is given: without one the capacity is host RAM, and the OS, not the probe, decides about OOMs.
+    is the emulated device size. Without it, on CPU, the process's memory cgroup limit is the capacity
+    where there is one (telemetry/probes/cgroup.py), else host RAM. `emulate_oom` (CPU only) defaults to
+    on exactly when an emulated size is given: otherwise the kernel, not the probe, decides about OOMs.
     Probes import torch/pynvml lazily, so asking for "null" needs neither.
     """
     capacity = parse_bytes(device_memory) if device_memory is not None else None
@@ -45,13 +46,16 @@ def make_probe(
         nvml = NvmlProbe(dev, pci_bus_id=pci_bus_id(dev), min_interval=nvml_interval)
         return CudaProbe(dev, capacity=capacity, nvml=nvml, min_interval=nvml_interval)
     if kind == "cpu":
+        from telemetry.probes.cgroup import cgroup_limit
         from telemetry.probes.cpu import CpuProbe
 
+        limited = cgroup_limit() if capacity is None else None
         return CpuProbe(
-            capacity if capacity is not None else physical_memory(),
+            capacity if capacity is not None else limited[1] if limited else physical_memory(),
             idle_bytes=idle_bytes,
             sample_every=sample_every,
             emulate_oom=capacity is not None if emulate_oom is None else emulate_oom,
+            cgroup=limited[0] if limited else None,
         )
     if kind in ("null", "none"):
         return NullProbe(capacity=capacity or 0, idle_bytes=idle_bytes)

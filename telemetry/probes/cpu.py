@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from telemetry.probes.cgroup import CgroupMemory
 from telemetry.record import MemorySample, StepShape
 
 _DISPATCH_COST: float | None = None  # seconds per op of the dispatch-mode round trip, measured once
@@ -232,12 +233,17 @@ class CpuProbe:
         overhead_budget: float | None = 0.005,
         emulate_oom: bool = True,
         measure_overhead: bool = True,
+        cgroup: CgroupMemory | None = None,
     ) -> None:
         """`idle_bytes`: weights + KV pool, set (or updated later via the attribute) by the backend.
         `sample_every`: track every Nth step (1 = every step, 0 = only shapes not seen before).
         `overhead_budget`: skip the periodic samples while tracking has cost more than this fraction of
-        total step time (None: no cap). New shapes are always sampled."""
+        total step time (None: no cap). New shapes are always sampled.
+        `cgroup`: the memory cgroup whose limit is `capacity`; every step then reports its used memory as
+        the device's (telemetry/probes/cgroup.py), so what the tensors do not show (the Python heap, the
+        allocator's caches) counts as memory outside the allocator, as NVML's used bytes do on CUDA."""
         self.capacity = capacity
+        self.cgroup = cgroup
         self.idle_bytes = idle_bytes
         self.sample_every = sample_every
         self.overhead_budget = overhead_budget
@@ -292,6 +298,7 @@ class CpuProbe:
                     capacity=self.capacity,
                     ooms=self.ooms,
                     sampled=False,
+                    **self._device_memory(),
                 )
             return
         state = _StepState(self.capacity - idle if self.emulate_oom else None)
@@ -318,9 +325,15 @@ class CpuProbe:
                 idle_baseline=idle,
                 capacity=self.capacity,
                 ooms=self.ooms,
+                **self._device_memory(),
             )
             # Forget outputs that outlive the step: dropping the refs also drops their callbacks.
             state.by_ptr.clear()
+
+    def _device_memory(self) -> dict[str, int]:
+        if self.cgroup is None:
+            return {}
+        return {"device_used": self.cgroup.used(), "device_total": self.capacity}
 
     def sample(self) -> MemorySample:
         return self._last
