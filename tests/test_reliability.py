@@ -84,13 +84,14 @@ def har_entry(status: int, text: str) -> dict:
     return {"request": {"method": "POST"}, "response": {"status": status, "content": {"text": text}}}
 
 
+def fuzz_report(generated: int, code: str, title: str, count: int) -> dict:
+    """A schemathesis JSON report with one kind of failure."""
+    failure = {"code": code, "title": title, "count": count, "operations": ["POST /x"]}
+    return {"test_cases": {"generated": generated}, "stop_reason": "completed", "errors": [], "failures": [failure]}
+
+
 def test_fuzz_checks_fail_on_5xx_bad_errors_and_schemathesis_failures() -> None:
-    report = {
-        "test_cases": {"generated": 3},
-        "stop_reason": "completed",
-        "errors": [],
-        "failures": [{"code": "ST103", "title": "Undocumented status code", "count": 2, "operations": ["POST /x"]}],
-    }
+    report = fuzz_report(3, "ST103", "Undocumented status code", 2)
     har = {"log": {"entries": [har_entry(200, "{}"), har_entry(500, '{"detail": "boom"}'), har_entry(0, "")]}}
     results = {c.name: c.ok for c in rel.fuzz_checks(report, har)}
     assert results == {
@@ -115,12 +116,7 @@ ST202_OUTPUT = """
 
 
 def test_only_cross_field_rejections_excuse_st202() -> None:
-    report = {
-        "test_cases": {"generated": 2},
-        "stop_reason": "completed",
-        "errors": [],
-        "failures": [{"code": "ST202", "title": "Schema-valid request rejected", "count": 2, "operations": ["x"]}],
-    }
+    report = fuzz_report(2, "ST202", "Schema-valid request rejected", 2)
     har = {
         "log": {
             "entries": [har_entry(400, '{"error": {"message": "m", "type": "t", "param": null, "code": null}}')] * 2
