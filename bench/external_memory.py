@@ -48,6 +48,7 @@ class Outcome:
     # (time, blocks before, blocks after) of every resize, and the first time the other process held it all
     resizes: list[tuple[float, int, int]] = field(default_factory=list)
     held_all_at: float | None = None
+    pool_preemptions: int = 0  # running requests preempted so the pool could shrink below the blocks in use
     takes: int = 0  # times the other process got more memory
     shrunk_after_take: int = 0  # ... and the very next step began by shrinking the pool
 
@@ -89,6 +90,7 @@ def run(
             if backend.now() < duration:
                 send()
     out.ooms = engine.ooms
+    out.pool_preemptions = engine.policy.state()["counters"]["kv_pool_preemptions"]
     return out
 
 
@@ -152,6 +154,8 @@ def main() -> None:
         f"- the other process got more memory {out.takes} times; the next step began with a pool shrink "
         f"{out.shrunk_after_take} times (otherwise the pool was already down to the blocks in use and the "
         "budget bounded the step)",
+        f"- requests preempted (recompute, newest first) so the pool could shrink below the blocks in use: "
+        f"{out.pool_preemptions}",
         f"- pool: {tl.pool[0] / GIB:.2f} GiB at the start, {min(during, default=0) / GIB:.2f} GiB at least while "
         f"the memory was taken, {tl.pool[-1] / GIB:.2f} GiB at the end; {len(out.resizes)} resizes",
         "- resizes (virtual s: blocks before -> after): "

@@ -62,6 +62,7 @@ class AdaptivePolicy:
             "rejected_too_long": 0,
             "estimator_resets": 0,
             "kv_pool_resizes": 0,
+            "kv_pool_preemptions": 0,
         }
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self._raw = self.estimator.raw  # live list, updated in place by the estimator
@@ -239,9 +240,20 @@ class AdaptivePolicy:
         self._pool_reason = decision[1]
         return decision[0]
 
-    def observe_pool(self, old: int, new: int, error: str | None = None) -> None:
-        """The engine resized the pool from `old` to `new` blocks (error: it could not)."""
+    def kv_pool_preempt_target(self) -> int | None:
+        """After kv_pool_target asked for a shrink: the size the pool must reach even by preempting."""
+        return self.pool.preempt_target if self.pool.enabled else None
+
+    def observe_pool(self, old: int, new: int, error: str | None = None, preempted: int = 0) -> None:
+        """The engine resized the pool from `old` to `new` blocks (error: it could not), having preempted
+        `preempted` running sequences first (the last resort: the target was below the blocks in use)."""
         pool = self.pool
+        if preempted:
+            self.counters["kv_pool_preemptions"] += preempted
+            self._log("kv_pool_preempt", f"{preempted} newest running sequences preempted by recompute: the pool "
+                      f"({old} blocks) must shrink below the blocks in use ({self._pool_reason})")
+            if why := pool.note_demand(self._step, preempted, False, 0):
+                self._log("kv_pool_demand", why)
         pool.resized(self._step, new, error is None)
         if error is not None:
             self._log("kv_pool_failed", f"resize {old} -> ? blocks failed: {error}")

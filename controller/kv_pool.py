@@ -12,8 +12,11 @@ budget's parts come from the probes as for admission (controller/budget.py); `ro
 minus the reserve, in bytes:
 
 - room < 0: memory got tight (another process took some, or the idle footprint grew): shrink at once by
-  the blocks it takes to restore the reserve, before the next step is packed. The engine never goes
-  below the blocks in use; the budget then bounds steps as usual.
+  the blocks it takes to restore the reserve, before the next step is packed, giving back free blocks
+  only; the budget then bounds steps as usual, out of the reserve. Only when the shortfall is larger than
+  the whole reserve (the pool itself no longer fits beside idle and headroom) does the pool have to reach
+  `preempt_target` even below the blocks in use: the engine preempts the newest running sequences by
+  recompute until it can, the last resort, since steps would otherwise OOM.
 - room >= one block plus `pool_hysteresis_mib`, for `pool_grow_hold` consecutive decisions: grow by the
   whole room. After a grow the room sits in [0, one block), inside the band, so nothing oscillates.
 - at most one resize per `pool_cooldown` steps, shrinks for tight memory excepted.
@@ -52,6 +55,7 @@ class PoolSizer:
         self.failed = 0
         self._room_decisions = 0
         self._last_resize_step = -(1 << 62)
+        self.preempt_target: int | None = None  # set by a shrink that must happen even by preempting
 
     def configure(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
@@ -98,8 +102,12 @@ class PoolSizer:
 
     def decide(self, step: int, room: int) -> tuple[int, str] | None:
         """The pool size to move to now and why, or None to keep it."""
+        self.preempt_target = None
         if room < 0:
             target = max(1, self.num_blocks + self.blocks_for_room(room))
+            beyond_reserve = room + int(self.reserve)
+            if beyond_reserve < 0:
+                self.preempt_target = max(1, self.num_blocks + self.blocks_for_room(beyond_reserve))
             if target < self.num_blocks:
                 self._room_decisions = 0
                 return target, f"memory tight: {-room / MIB:.0f} MiB short of the {self.reserve / MIB:.0f} MiB reserve"

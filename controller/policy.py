@@ -46,8 +46,14 @@ class Policy(Protocol):
         policy sizes the pool). `memory` is the probe's latest sample."""
         ...
 
-    def observe_pool(self, old: int, new: int, error: str | None = None) -> None:
-        """The engine resized the pool from `old` to `new` blocks, or could not (`error`)."""
+    def kv_pool_preempt_target(self) -> int | None:
+        """After kv_pool_target asked for a shrink: the pool size to reach even below the blocks in use, by
+        preempting running sequences (the last resort), or None to give back free blocks only."""
+        ...
+
+    def observe_pool(self, old: int, new: int, error: str | None = None, preempted: int = 0) -> None:
+        """The engine resized the pool from `old` to `new` blocks, or could not (`error`); `preempted`
+        running sequences were preempted first because the target was below the blocks in use."""
         ...
 
     def state(self) -> dict:
@@ -89,7 +95,10 @@ class StaticPolicy:
     def kv_pool_target(self, memory: MemorySample) -> int | None:
         return None
 
-    def observe_pool(self, old: int, new: int, error: str | None = None) -> None:
+    def kv_pool_preempt_target(self) -> int | None:
+        return None
+
+    def observe_pool(self, old: int, new: int, error: str | None = None, preempted: int = 0) -> None:
         return None
 
     def state(self) -> dict:

@@ -51,7 +51,9 @@ def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int
     blocks in `moves` (old id -> new id) are copied first, then a new tensor takes the kept blocks and
     zeros the new ones, and replaces the old one, which is freed before the next tensor is made. So the
     transient above the old pool is the growth plus one tensor, and each layer keeps one contiguous tensor
-    (what flash-attn's paged kernel reads)."""
+    (what flash-attn's paged kernel reads). A shrink whose new tensor finds no device memory (another
+    process took every free byte) stages the kept blocks through host memory and frees the old tensor
+    first; the freed tensor then holds the next one, so in practice only the first is staged."""
     if not caches:
         return
     device = caches[0][0].device
@@ -63,12 +65,24 @@ def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int
             if moves:
                 old.index_copy_(0, dst, old.index_select(0, src))
             keep = min(num_blocks, old.shape[0])
-            new = old.new_empty((num_blocks, *old.shape[1:]))
+            shape = (num_blocks, *old.shape[1:])
+            try:
+                new = old.new_empty(shape)
+            except torch.OutOfMemoryError:
+                if num_blocks >= old.shape[0]:
+                    raise
+                kept = old[:keep].cpu()
+                del old
+                caches[layer] = _replaced(caches[layer], which, kept)  # drops the last device reference
+                new, old = kept.new_empty(shape, device=device), kept
             new[:keep].copy_(old[:keep])
             new[keep:].zero_()
-            pair = caches[layer]
-            caches[layer] = (new, pair[1]) if which == 0 else (pair[0], new)
-            del old, pair
+            caches[layer] = _replaced(caches[layer], which, new)
+            del old
+
+
+def _replaced(pair: KVCache, which: int, tensor: torch.Tensor) -> KVCache:
+    return (tensor, pair[1]) if which == 0 else (pair[0], tensor)
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

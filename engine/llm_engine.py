@@ -143,8 +143,7 @@ class LLMEngine:
         engine/kv_cache.py) nor below the largest admitted request's prompt + max_tokens, so every request
         can still finish. Raises torch.OutOfMemoryError, nothing changed, when the backend cannot."""
         alloc = self.allocator
-        longest = max((alloc.blocks_for(s.prompt_len + s.max_tokens) for s in self.requests.values()), default=1)
-        plan = alloc.plan_resize(max(target, longest))
+        plan = alloc.plan_resize(max(target, self._longest_request_blocks()))
         if plan.num_blocks == alloc.num_blocks:
             return None
         self.backend.resize_kv(plan)
@@ -154,20 +153,33 @@ class LLMEngine:
                 seq.block_table = [plan.moves.get(b, b) for b in seq.block_table]
         return plan
 
+    def _longest_request_blocks(self) -> int:
+        """The blocks the largest admitted request's prompt + max_tokens need: the pool never goes below."""
+        return max((self.allocator.blocks_for(s.prompt_len + s.max_tokens) for s in self.requests.values()), default=1)
+
     def _follow_pool_target(self) -> None:
         """Resize the pool where the policy asks (only a policy that sizes the pool ever does), before the
-        step is packed: a shrink for memory another process took lands before the step that would OOM."""
+        step is packed: a shrink for memory another process took lands before the step that would OOM.
+
+        A shrink gives back free blocks first. Only when the policy says the pool must reach a size below
+        the blocks in use (memory is short by more than the free blocks and the prefill reserve hold) are
+        running sequences preempted by recompute, newest first, until their blocks fit it: the last resort,
+        since the alternative is steps that OOM."""
         target = self.policy.kv_pool_target(self.backend.probe.sample())
         old = self.allocator.num_blocks
         if target is None or target == old:
             return
+        preempted: list[Sequence] = []
+        must = self.policy.kv_pool_preempt_target()
+        if must is not None and must < self.allocator.num_used:
+            preempted = self.scheduler.preempt_newest(max(must, self._longest_request_blocks()))
         try:
             plan = self.resize_kv_pool(target)
         except torch.OutOfMemoryError as e:
             self.backend.recover_from_oom()
-            self.policy.observe_pool(old, old, str(e))
+            self.policy.observe_pool(old, old, str(e), preempted=len(preempted))
             return
-        self.policy.observe_pool(old, plan.num_blocks if plan else old)
+        self.policy.observe_pool(old, plan.num_blocks if plan else old, preempted=len(preempted))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

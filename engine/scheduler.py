@@ -130,7 +130,22 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def preempt_newest(self, max_used: int) -> list[Sequence]:
+        """Preempt running sequences by recompute, newest first, until at most `max_used` blocks are in use;
+        returns them. The last resort of a KV pool that must shrink below the blocks in use (between steps,
+        so no batch holds them)."""
+        victims = []
+        while self.allocator.num_used > max_used and self.running:
+            victims.append(self.running[-1])
+            self._release(self.running[-1])
+        return victims
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self._release(seq)
+        batch.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Back to the head of the queue with its blocks freed: its tokens are recomputed when readmitted."""
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
@@ -139,7 +154,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        batch.preempted.append(seq)
 
     def _reserved_blocks(self, seq: Sequence, lim: Limits) -> int:
         """Blocks `seq` may still claim: the rest of its known tokens plus `kv_reserve_ratio` of its future

@@ -110,6 +110,47 @@ def test_twin_resize_that_does_not_fit_raises_and_changes_nothing():
     assert engine.resize_kv_pool(64 + free_blocks - 2) is not None
 
 
+def test_twin_shrink_with_no_free_memory_stages_through_the_host():
+    """Another process holds every free byte: a shrink still goes through (its first tensor staged through
+    host memory, charged at the host copy rate), where a grow raises."""
+    b = TwinBackend(num_blocks=64)
+    engine = LLMEngine(b, FixedPolicy())
+    b.set_external(b.memory.driver_free)
+    assert b.memory.driver_free == 0
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.resize_kv_pool(65)
+    t0 = b.now()
+    plan = engine.resize_kv_pool(32)
+    assert b.memory.num_blocks == engine.allocator.num_blocks == 32
+    staged = 2 * (32 * b.memory.block_bytes // b.memory.kv_tensors) / 12e9
+    assert b.now() - t0 == pytest.approx(b.resize_cost(plan, staged=True))
+    assert b.resize_cost(plan, staged=True) == pytest.approx(b.resize_cost(plan) + staged)
+
+
+def test_torch_shrink_with_no_device_memory_stages_through_the_host(monkeypatch):
+    """The CUDA shrink with fakes: the first new tensor cannot be allocated on the device, so its kept
+    blocks go to the host and back after the old tensor is dropped; every block kept is intact."""
+    from engine.attention import resize_kv_cache
+
+    calls = []
+    real = torch.Tensor.new_empty
+
+    def new_empty_oom_once(self, *args, **kwargs):
+        calls.append(kwargs.get("device"))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("no device memory")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty_oom_once)
+    layers = [(torch.arange(24.0).view(6, 2, 2), -torch.arange(24.0).view(6, 2, 2)) for _ in range(2)]
+    caches = [(k.clone(), v.clone()) for k, v in layers]
+    resize_kv_cache(caches, 3, {5: 1})
+    assert calls[1] is not None  # the retry after the OOM names the device: the staged path
+    for (k, v), (k0, v0) in zip(caches, layers, strict=True):
+        assert k.shape == v.shape == (3, 2, 2)
+        assert torch.equal(k[1], k0[5]) and torch.equal(k[2], k0[2]) and torch.equal(v[0], v0[0])
+
+
 def test_twin_external_memory_takes_only_what_is_free():
     b = TwinBackend(num_blocks=64)
     m = b.memory

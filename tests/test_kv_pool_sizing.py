@@ -15,6 +15,16 @@ def twin_engine(*flags: str):
     return build_engine(engine_config(["--backend", "twin", *flags]))
 
 
+def take_memory(e, nbytes: int, tries: int) -> list[int]:
+    """Another process asks for `nbytes`: it gets only what the driver has free, and retries between steps
+    (at most `tries` times) for the rest. Returns what it held after each try."""
+    took = [e.backend.set_external(nbytes)]
+    while took[-1] < nbytes and len(took) < tries:
+        e.step()
+        took.append(e.backend.set_external(nbytes))
+    return took
+
+
 def test_sizer_shrinks_at_once_and_grows_only_after_the_room_persists():
     cfg = ControllerConfig(pool_grow_hold=3, pool_cooldown=0, pool_hysteresis_mib=64.0)
     s = PoolSizer(cfg)
@@ -27,6 +37,14 @@ def test_sizer_shrinks_at_once_and_grows_only_after_the_room_persists():
     assert target == 106 and "persisted" in reason
     s.resized(4, 106, ok=True)
     assert (s.num_blocks, s.resizes) == (106, 1)
+
+
+def test_sizer_preempts_only_for_a_shortfall_the_reserve_cannot_absorb():
+    s = PoolSizer(ControllerConfig())
+    s.start(num_blocks=100, block_bytes=32 * MIB, reserve=1024 * MIB)
+    assert s.decide(1, -1000 * MIB)[0] == 68 and s.preempt_target is None  # free blocks only
+    assert s.decide(2, -1100 * MIB)[0] == 65 and s.preempt_target == 97  # 76 MiB beyond the reserve: 3 blocks
+    assert s.decide(3, 0) is None and s.preempt_target is None
 
 
 def test_twin_pool_is_sized_at_start_and_shown_in_the_state():
@@ -55,12 +73,8 @@ def test_pool_shrinks_before_the_step_when_another_process_takes_memory_and_grow
     for _ in range(20):
         e.step()
     sized = e.allocator.num_blocks
-    # The other process gets only what the driver has free, and retries between steps for the rest: each
-    # time it takes more, the pool shrinks before the next step is packed.
-    took = [e.backend.set_external(2048 * MIB)]
-    while took[-1] < 2048 * MIB and len(took) < 20:
-        e.step()
-        took.append(e.backend.set_external(2048 * MIB))
+    # Each time the other process takes more, the pool shrinks before the next step is packed.
+    took = take_memory(e, 2048 * MIB, tries=20)
     assert took[0] < 2048 * MIB == took[-1]
     e.step()
     assert e.allocator.num_blocks <= sized - 2048 // 32 + 1
@@ -113,3 +127,24 @@ def test_kv_bound_run_grows_the_pool_into_the_lowered_reserve():
         e.step()
     pool = e.policy.state()["kv_pool"]
     assert pool["kv_bound"] and e.allocator.num_blocks > start and e.ooms == 0
+
+
+def test_pool_preempts_newest_as_a_last_resort_when_memory_taken_exceeds_its_free_blocks():
+    """4 GiB taken while 16 requests hold most of the pool: free blocks cannot cover it, so the newest
+    running requests are preempted by recompute and the pool shrinks below what was in use; no step OOMs
+    and every request finishes."""
+    e = twin_engine()
+    params = SamplingParams(max_tokens=512, ignore_eos=True)
+    seqs = [e.add_request(f"r{i}", [1 + i] * 256, params) for i in range(16)]
+    for _ in range(300):
+        e.step()
+    in_use = e.allocator.num_used
+    assert take_memory(e, 4096 * MIB, tries=50)[-1] == 4096 * MIB
+    assert e.allocator.num_blocks < in_use  # below the blocks in use before the take
+    preempts = [d for d in e.policy.state()["decisions"] if d["action"] == "kv_pool_preempt"]
+    assert preempts and "recompute" in preempts[0]["reason"]
+    assert e.policy.state()["counters"]["kv_pool_preemptions"] >= 1
+    while e.has_unfinished():
+        e.step()
+    assert e.ooms == 0
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 512 for s in seqs)

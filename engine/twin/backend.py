@@ -183,25 +183,30 @@ class TwinBackend:
         torch.OutOfMemoryError (pool unchanged, nothing charged) when the transient does not fit."""
         m = self.memory
         try:
-            m.resize_pool(plan.num_blocks)
+            staged = m.resize_pool(plan.num_blocks)
         except DeviceOOM as e:
             import torch  # only for the exception type a real device raises
 
             raise torch.OutOfMemoryError(str(e)) from e
         self.num_blocks = plan.num_blocks
         self.probe.idle_bytes = m.persistent
-        cost = self.resize_cost(plan)
+        cost = self.resize_cost(plan, staged)
         self._t += 0.0 if self.realtime else cost
         if self.realtime:
             time.sleep(cost)
         self.busy_time += cost
         return cost
 
-    def resize_cost(self, plan: ResizePlan) -> float:
-        """Seconds one resize takes on the card (see resize_kv)."""
+    def resize_cost(self, plan: ResizePlan, staged: bool = False) -> float:
+        """Seconds one resize takes on the card (see resize_kv); `staged`: the first tensor's kept blocks
+        went to host memory and back as well."""
         r = self.profile.section("kv_resize")
-        copied = (min(plan.num_blocks, plan.old_num_blocks) + len(plan.moves)) * self.memory.block_bytes
-        return 2 * copied / float(r["copy_bytes_per_s"]) + self.memory.kv_tensors * float(r["malloc_s"])
+        m = self.memory
+        copied = (min(plan.num_blocks, plan.old_num_blocks) + len(plan.moves)) * m.block_bytes
+        cost = 2 * copied / float(r["copy_bytes_per_s"]) + m.kv_tensors * float(r["malloc_s"])
+        if staged:
+            cost += 2 * (plan.num_blocks * m.block_bytes // m.kv_tensors) / float(r["host_copy_bytes_per_s"])
+        return cost
 
     def set_external(self, nbytes: int) -> int:
         """Another process on the card asks for `nbytes` in all (0: it lets go); it gets what the driver

@@ -237,22 +237,28 @@ class MemoryModel:
         """Bytes cudaMalloc can still get from the driver without flushing this process's cache."""
         return self.limit - self.reserved
 
-    def resize_pool(self, num_blocks: int) -> None:
+    def resize_pool(self, num_blocks: int) -> bool:
         """Reallocate the KV pool tensor by tensor (allocate the new one, copy, free the old one), as the
         torch backend does on CUDA. The transient peak above the old footprint is the growth plus the
         smaller of one old or one new tensor. As cudaMalloc would, a resize that does not fit flushes the
-        cache and retries; if it still does not fit it raises DeviceOOM and the pool is unchanged. The
-        freed old tensors go back to the driver (the backend calls empty_cache after a resize)."""
+        cache and retries. A shrink that still has no room for its first new tensor (another process took
+        every free byte) stages that tensor's kept blocks through host memory: the old tensor is freed
+        before the new one is made, and each later new tensor fits in what an old one freed. Returns True
+        when it staged. A grow that does not fit raises DeviceOOM and the pool is unchanged. The freed old
+        tensors go back to the driver (the backend calls empty_cache after a resize)."""
         old, new = self.kv_pool, num_blocks * self.block_bytes
         transient = max(new - old, 0) + min(old, new) // self.kv_tensors
+        staged = False
         if transient > self.driver_free:
             self.empty_cache()
-            if transient > self.driver_free:
+            staged = transient > self.driver_free
+            if staged and new > old:
                 raise DeviceOOM(
                     f"CUDA out of memory resizing the KV pool from {old / MIB:.0f} to {new / MIB:.0f} MiB: needs "
                     f"{transient / MIB:.0f} MiB at its peak, {self.driver_free / MIB:.0f} MiB free"
                 )
         self._set_pool(num_blocks)
+        return staged
 
     def set_external(self, nbytes: int) -> int:
         """Another process holds `nbytes` of the device (0: it let go). It can only take what the driver
