@@ -46,16 +46,8 @@ class VllmPolicy(StaticPolicy):
     name = "vllm"
 
     def __init__(self) -> None:
-        super().__init__(
-            Limits(
-                max_num_seqs=256,
-                max_batched_tokens=2048,
-                kv_reserve_ratio=0.0,
-                allow_mixed=True,
-                prefill_first=False,
-                chunked_prefill=True,
-            )
-        )
+        # Limits' defaults are vLLM's rules already: mixed steps, decodes first, chunked prefill, no reservation.
+        super().__init__(Limits(max_num_seqs=256, max_batched_tokens=2048))
 
 
 class SeedStaticPolicy(StaticPolicy):
