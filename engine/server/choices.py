@@ -12,23 +12,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.llm_engine import EngineDeadError, RequestError
+from engine.llm_engine import EngineDeadError
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
-from engine.server.async_engine import AsyncEngine, QueueFullError, RequestHandle, Update
-from engine.server.errors import SERVER_ERROR, APIError, bad_request
+from engine.server.async_engine import AsyncEngine, RequestHandle, Update
+from engine.server.errors import SERVER_ERROR, APIError, engine_error
 from engine.server.text import TextStream
-
-
-def engine_error(e: BaseException) -> APIError:
-    """Map what AsyncEngine.add or a request handle raises to an HTTP answer; anything else is a bug."""
-    if isinstance(e, RequestError):
-        return bad_request(str(e), e.param, e.code)
-    if isinstance(e, QueueFullError):
-        return APIError(429, str(e), "rate_limit_error", None, "queue_full", {"Retry-After": str(e.retry_after)})
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), SERVER_ERROR, None, "engine_dead")
-    raise e
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from controller.config import ControllerConfig
 from engine.llm_engine import EngineDeadError
 from engine.server.context import Ctx, engine_counters, require_admin
-from engine.server.errors import SERVER_ERROR, APIError, error_responses
+from engine.server.errors import APIError, engine_error, error_responses
 from engine.server.protocol import integer
 
 DEFAULT_STATE_STEPS = 10
@@ -59,4 +59,4 @@ async def controller_config(ctx: Ctx, patch: ControllerConfigPatch) -> dict[str,
     except ValueError as e:
         raise APIError(409, str(e), code="config_conflict") from e
     except EngineDeadError as e:
-        raise APIError(503, str(e), SERVER_ERROR, None, "engine_dead") from e
+        raise engine_error(e) from e

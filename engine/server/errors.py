@@ -20,6 +20,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.llm_engine import EngineDeadError, RequestError
+from engine.server.async_engine import QueueFullError
+
 logger = logging.getLogger("headroom.server")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -64,6 +67,17 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, INVALID_REQUEST, param, code)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """Map what AsyncEngine.add, a request handle or a query raises to an HTTP answer; anything else is a bug."""
+    if isinstance(e, RequestError):
+        return bad_request(str(e), e.param, e.code)
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), "rate_limit_error", None, "queue_full", {"Retry-After": str(e.retry_after)})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), SERVER_ERROR, None, "engine_dead")
+    raise e
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
