@@ -213,11 +213,12 @@ class AdaptivePolicy:
         room = self._pool_room(profile[-1])
         target = max(1, num_blocks + self.pool.blocks_for_room(room))
         b = self.budget
+        external = b.external_at(profile[-1])
         self.pool.sizing = {
             "profiled_tokens": self.cfg.pool_reserve_tokens,
             "profile_steps": len(profile),
             "capacity": b.capacity,
-            "external": self._external_now(profile[-1]),
+            "external": external,
             "idle_without_pool": idle - num_blocks * block_bytes,
             "headroom": b.headroom(),
             "reserve": reserve,
@@ -226,7 +227,7 @@ class AdaptivePolicy:
         }
         self._log("kv_pool_size", f"start-up: {target} blocks of {block_bytes / MIB:.1f} MiB beside a "
                   f"{reserve / MIB:.0f} MiB reserve (profiled {self.cfg.pool_reserve_tokens}-token prefill), "
-                  f"{b.headroom() / MIB:.0f} MiB headroom, {self._external_now(profile[-1]) / MIB:.0f} MiB outside")
+                  f"{b.headroom() / MIB:.0f} MiB headroom, {external / MIB:.0f} MiB outside")
         return target
 
     def kv_pool_target(self, memory: MemorySample) -> int | None:
@@ -266,17 +267,11 @@ class AdaptivePolicy:
         self._refresh_key = None
         self._refresh()
 
-    def _external_now(self, m: MemorySample) -> int:
-        external = self.budget.external
-        if self.cfg.use_device_used and m.device_used is not None and m.reserved > 0:
-            external = max(external, m.device_used - m.reserved)
-        return external
-
     def _pool_room(self, m: MemorySample) -> int:
         b = self.budget
         if b.idle_floor is None:
             return 0
-        return int(b.capacity - self._external_now(m) - b.idle_floor - b.headroom() - self.pool.reserve)
+        return int(b.capacity - self.budget.external_at(m) - b.idle_floor - b.headroom() - self.pool.reserve)
 
     def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
         """A request finished; its output length teaches the KV reservation (aborts and errors do not)."""

@@ -102,18 +102,28 @@ class BudgetTracker:
             self._external = 0
         if self.idle_floor is None or m.idle_baseline < self.idle_floor:
             self.idle_floor = m.idle_baseline
-        if self.use_device_used and m.device_used is not None and m.reserved > 0:
-            outside = m.device_used - m.reserved
-            if 0 <= outside < m.capacity:
-                q = self._outside
-                self._n += 1
-                while q and q[-1][1] <= outside:
-                    q.pop()
-                q.append((self._n, outside))
-                while q[0][0] <= self._n - _EXTERNAL_WINDOW:
-                    q.popleft()
-                self._external = q[0][1]
+        outside = self._outside_of(m)
+        if outside is not None and 0 <= outside < m.capacity:
+            q = self._outside
+            self._n += 1
+            while q and q[-1][1] <= outside:
+                q.pop()
+            q.append((self._n, outside))
+            while q[0][0] <= self._n - _EXTERNAL_WINDOW:
+                q.popleft()
+            self._external = q[0][1]
         return m.idle_baseline - self.idle_floor
+
+    def _outside_of(self, m: MemorySample) -> int | None:
+        """Device memory this sample says is held outside our allocator (None: it cannot tell, or not used)."""
+        if self.use_device_used and m.device_used is not None and m.reserved > 0:
+            return m.device_used - m.reserved
+        return None
+
+    def external_at(self, m: MemorySample) -> int:
+        """Memory held outside the allocator as of `m`: the windowed estimate, or more if `m` already shows
+        more (another process took memory since the last step)."""
+        return max(self.external, self._outside_of(m) or 0)
 
     def shift_idle(self, delta: int) -> None:
         """The idle footprint moved by `delta` bytes (the KV pool was resized): the floor follows at once,
