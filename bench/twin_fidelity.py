@@ -5,6 +5,8 @@
 - the error statistics of that run, recomputed from the JSON, not copied from docs;
 - the effect of the seed's KV admission rule (floor(tokens / 256) + 1 blocks) at the held-out misses,
   from two committed runs of the same points (--before: the JSON before the rule);
+- the arithmetic behind the unexplained (4, 4096, 256) miss: the twin's in=4096 points, what the seed's
+  single-stream ratios do and do not say about prompt lengths, and the bound the seed-static rules set;
 - which constants of each profile are fitted, and the fact that fixed each.
 
     .venv/bin/python bench/twin_fidelity.py --matrix bench/results/twin_seed-static_64.json \
@@ -36,6 +38,9 @@ METRICS = [
     ("total tok/s", "total_tps", "total_token_throughput"),
 ]
 HELD_OUT_MISSES = [(16, 256, 1024), (64, 256, 256), (64, 256, 1024)]
+SEED_BLOCKS, SEED_BLOCK_TOKENS = 64, 256
+BANDWIDTH_FLOOR_MS = 14.9  # calibration README: ~15.0 GB read per decode step / 1008 GB/s
+LONG_MISS_REQUESTS = 40  # the seed's count at concurrency 4
 
 # Every fitted or assumed constant, with the fact that fixed it (the profile TOMLs say the same beside
 # each value; docs/twin.md explains them).
@@ -116,6 +121,28 @@ CONSTANTS = [
     ),
 ]
 
+# Candidate mechanisms for the (4, 4096, 256) miss and the fact each conflicts with (docs/twin.md).
+LONG_MISS_CANDIDATES = [
+    (
+        "random-dataset prompts below 4096 tokens as the seed counts them (neither held back nor capped)",
+        "F4 + F6: such a prompt joins a 4096-token one in one prefill step and the logits (2 x 2004 MiB) OOM "
+        "(twin: every mix tried, even one such prompt in 40); the same prompts run at (4, 4096, 1024), "
+        "where 3 requests fit too, and that point agrees with the serial twin",
+    ),
+    (
+        "threshold strict (> 4096) or counted without BOS: no prompt is long",
+        "F3/F4/F7: decode-first removed the OOM at (4, 4096, 1024), so the long rules acted there; F6",
+    ),
+    (
+        "a decode step between long prefills",
+        "with the stated long cap on decode batches: no gain (twin: 50.06 and 53.91 unchanged); without it: "
+        "OOM after a decode of 3 (F6/F7), and (4, 4096, 1024) would rise as much",
+    ),
+    ("KV admission floor(tokens / 256) + 1", "18 and 21 blocks: 3 fit at out 256 and at out 1024 alike"),
+    ("cost of a long prefill beside 3 decodes", "the seed never shares a step; extra cost only slows the twin"),
+    ("a deferred long prompt released after a fixed wait", "would raise (4, 4096, 1024) more; a fitted knob"),
+]
+
 
 def key(p: dict) -> tuple[int, int, int]:
     return p["concurrency"], p["input_len"], p["output_len"]
@@ -163,6 +190,62 @@ def before_after(before: dict, after: dict) -> list[str]:
             f"{a['mean_tpot_ms']:.2f} |"
         )
     return lines
+
+
+def long_prompt_points(points: dict) -> list[str]:
+    """The twin at in=4096: concurrency 4 against 1, and how many requests the seed's KV rule admits."""
+    lines = [
+        "| out | blocks a request (floor + 1) | fit in 64 | twin out tok/s con 1 | con 4 | con 4 / con 1 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for out in (256, 1024, 4096):
+        one, four = points[(1, 4096, out)], points[(4, 4096, out)]
+        blocks = (4096 + out) // SEED_BLOCK_TOKENS + 1
+        lines.append(
+            f"| {out} | {blocks} | {SEED_BLOCKS // blocks} | {one['output_throughput']:.2f} | "
+            f"{four['output_throughput']:.2f} | {four['output_throughput'] / one['output_throughput']:.3f} |"
+        )
+    return lines
+
+
+def implied_lengths(rows: list[dict]) -> list[str]:
+    """What total / out tok/s implies about the client-counted prompt, with the interval the table's rounding
+    (two decimals) allows, and the output count it implies if the client counted input - 1 tokens."""
+    lines = [
+        "| in | out | total / out | implied mean prompt (rounding interval) | implied output if prompt = in - 1 |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tot, out_tps, i, o = r["total_tps"], r["out_tps"], r["input"], r["output"]
+        ratio = tot / out_tps
+        lo, hi = o * ((tot - 0.005) / (out_tps + 0.005) - 1), o * ((tot + 0.005) / (out_tps - 0.005) - 1)
+        lines.append(
+            f"| {i} | {o} | {ratio:.5f} | {o * (ratio - 1):.2f} ({lo:.2f} - {hi:.2f}) | {(i - 1) / (ratio - 1):.2f} |"
+        )
+    return lines
+
+
+def serial_bound(rows: list[dict]) -> list[str]:
+    """Seed-static's ceiling at (4, 4096, 256) from the seed's own single-stream row, and what twice it needs."""
+    r = next(r for r in rows if (r["input"], r["output"]) == (4096, 256))
+    per_request = r["ttft_mean_ms"] + (r["output"] - 1) * r["tpot_mean_ms"]
+    bound = r["output"] / per_request * 1000
+    tokens = LONG_MISS_REQUESTS * r["output"]
+    duration = tokens / (2 * bound)
+    decode_s = duration - LONG_MISS_REQUESTS * r["ttft_mean_ms"] / 1000
+    floor_steps, seed_steps = decode_s * 1000 / BANDWIDTH_FLOOR_MS, decode_s * 1000 / r["tpot_mean_ms"]
+    return [
+        f"Under the stated rules, each request runs alone: its prefill step, then {r['output']} decode steps with no "
+        f"other long request in them. From the seed's own row, that is {r['ttft_mean_ms']:.0f} ms + "
+        f"{r['output'] - 1} x {r['tpot_mean_ms']:.2f} ms = {per_request / 1000:.2f} s per request, "
+        f"{bound:.1f} tok/s. Twice that is {tokens} tokens in {duration:.0f} s. Its {LONG_MISS_REQUESTS} prefills "
+        f"({LONG_MISS_REQUESTS * r['ttft_mean_ms'] / 1000:.0f} s) cannot share a step with decodes, which leaves "
+        f"{decode_s:.0f} s: at most {floor_steps:.0f} decode steps at the {BANDWIDTH_FLOOR_MS} ms "
+        f"weight-streaming floor ({seed_steps:.0f} at {r['tpot_mean_ms']:.2f} ms). That needs at least "
+        f"{tokens / floor_steps:.2f} sequences per decode step ({tokens / seed_steps:.2f}), so the seed's decode "
+        "batches held two requests most of the time. Under the stated rules, one of the two must then be a "
+        "prompt the seed counts as shorter than 4096 tokens.",
+    ]
 
 
 def main() -> None:
@@ -219,6 +302,28 @@ def main() -> None:
         "1024) and (64, 256, 1024) into a pass: 13 requests are admitted instead of 16, so the back-to-back "
         "prefills are 8 + 5 prompts (1839 MiB with the first one's logits) instead of 8 + 8 (2340 MiB, over "
         "the 2006 MiB free).",
+        "",
+        "## The (4, 4096, 256) miss: what the numbers allow",
+        "",
+        "The issue says the seed ran about twice as fast as the twin here, while (4, 4096, 1024) and (4, 4096, "
+        "4096) agree within 15 %. The twin at in=4096:",
+        "",
+        *long_prompt_points(points),
+        "",
+        *serial_bound(rows),
+        "",
+        "The seed's single-stream rows, total over output tok/s. The three in=4096 rows ran the same prompts "
+        "token for token (vLLM's seeded random dataset; with range ratio 0 the length draws consume no "
+        "random numbers), yet they imply different means. So the ratio also carries error in the output "
+        "count and does not measure what the seed saw:",
+        "",
+        *implied_lengths(rows),
+        "",
+        "Each candidate, with the fact that refutes it (docs/twin.md has the twin runs behind each):",
+        "",
+        "| candidate | refuted by |",
+        "|---|---|",
+        *[f"| {c} | {f} |" for c, f in LONG_MISS_CANDIDATES],
         "",
         "## Which constants are fitted, and what fixed each",
         "",
