@@ -3,6 +3,7 @@ measured record back, and finish requests."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -14,6 +15,7 @@ from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stop_strings import StopStringMatcher
+from telemetry.phases import PhaseTimer
 from telemetry.record import StepRecord
 
 
@@ -27,7 +29,11 @@ class Backend(Protocol):
     probe: object
     tokenizer: object | None
 
-    def execute(self, batch: ScheduledBatch) -> list[int]: ...
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """One forward over the batch and one sampled token per sampling item. A backend that samples in a
+        separate pass may count that pass's seconds in a `sampler_seconds` attribute (cumulative): the
+        engine's phase timer then tells the forward and the sampler apart."""
+        ...
 
     def now(self) -> float: ...
 
@@ -68,6 +74,8 @@ class LLMEngine:
         self.ooms_recovered = 0
         self.step_listeners: list[Callable[[StepRecord, ScheduledBatch], None]] = []
         self.finish_listeners: list[Callable[[Sequence], None]] = []
+        self.phases = PhaseTimer()
+        self._sampler_seconds = 0.0  # the backend's sampler_seconds at the last step
 
     @property
     def max_model_len(self) -> int:
@@ -186,12 +194,15 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that got a token or finished."""
-        self._follow_pool_target()
-        batch = self.scheduler.schedule()
+        phases = self.phases
+        with phases.span("schedule"):
+            self._follow_pool_target()
+            batch = self.scheduler.schedule()
         if not batch.items:
             return []
         start = self.backend.now()
         oom = False
+        wall = time.perf_counter()
         try:
             with self.backend.probe.step(batch.shape):
                 tokens = self.backend.execute(batch)
@@ -200,12 +211,24 @@ class LLMEngine:
             self.ooms += 1
             self.backend.recover_from_oom()
         now = self.backend.now()
-        touched = self._advance(batch, tokens, now) if not oom else self._on_oom(batch)
-        record = self._record(batch, start, now - start, oom)  # KV and queue counts as the step leaves them
-        self.policy.observe(record)
-        for listener in self.step_listeners:
-            listener(record, batch)
+        self._time_execute(time.perf_counter() - wall)
+        with phases.span("detokenize_stream"):
+            touched = self._advance(batch, tokens, now) if not oom else self._on_oom(batch)
+        with phases.span("telemetry"):
+            record = self._record(batch, start, now - start, oom)  # KV and queue counts as the step leaves them
+        with phases.span("controller"):
+            self.policy.observe(record)
+        with phases.span("telemetry"):
+            for listener in self.step_listeners:
+                listener(record, batch)
         return touched
+
+    def _time_execute(self, seconds: float) -> None:
+        """Split the backend's execute into forward and sampler by the sampler seconds it reports."""
+        total = getattr(self.backend, "sampler_seconds", 0.0)
+        sampler, self._sampler_seconds = total - self._sampler_seconds, total
+        self.phases.add("sampler", sampler)
+        self.phases.add("forward", seconds - sampler)
 
     def _advance(self, batch: ScheduledBatch, tokens: list[int], now: float) -> list[Sequence]:
         self.scheduler.update(batch, tokens)

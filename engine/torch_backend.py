@@ -93,6 +93,7 @@ class TorchBackend:
             probe = make_probe(device_name, capacity, idle_bytes=idle)
         self.probe = probe
         self.sampler = Sampler(seed)
+        self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
         self.block_bytes = kv_cache_bytes_per_block(self.config, block_size, self.dtype)
 
     @property
@@ -172,7 +173,9 @@ class TorchBackend:
             return []
         sampling = [it for it in batch.items if it.sample]
         logits = self.model.compute_logits(hidden[rows])
+        start = time.perf_counter()
         tokens, logprobs = self.sampler.sample_sequences(logits, [it.seq for it in sampling], self.eos_token_ids)
+        self.sampler_seconds += time.perf_counter() - start
         for item, logprob in zip(sampling, logprobs, strict=True):
             item.logprob = logprob
         return tokens

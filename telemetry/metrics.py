@@ -155,6 +155,10 @@ class Metrics:
             for key, metric in CONTROLLER_COUNTERS.items()
         }
         self._controller_last: dict[str, float] = {}
+        self.step_phase = counter(
+            "headroom_step_phase_seconds", "Engine step wall time by phase (telemetry/phases.py).", ("phase",)
+        )
+        self._phase_last: dict[str, float] = {}
         self.healthy = gauge("headroom_engine_healthy", "1 while the engine serves.").labels(name)
         self.healthy.set(1)
         self.ooms = counter("headroom_ooms", "Steps that raised OutOfMemoryError.").labels(name)
@@ -244,6 +248,14 @@ class Metrics:
             if delta > 0:
                 child.inc(delta)
             self._controller_last[key] = value
+
+    def observe_phases(self, totals: dict[str, float]) -> None:
+        """PhaseTimer.totals(): cumulative seconds per phase, exported by their deltas."""
+        for phase, seconds in totals.items():
+            delta = seconds - self._phase_last.get(phase, 0.0)
+            if delta > 0:
+                self.step_phase.labels(self.model_name, phase).inc(delta)
+            self._phase_last[phase] = seconds
 
     def observe_request_finished(
         self, prompt_tokens: int, generation_tokens: int, finish_reason: str, timing: RequestTiming

@@ -288,9 +288,14 @@ class AsyncEngine:
                     break
                 self._flush()
                 if self.engine.has_unfinished():
-                    self._publish(self.engine.step())
-                    self.snapshot = EngineSnapshot.of(self.engine, len(self._live))
-                    self._flush()
+                    touched = self.engine.step()
+                    phases = self.engine.phases
+                    with phases.span("detokenize_stream"):
+                        self._publish(touched)
+                    with phases.span("telemetry"):
+                        self.snapshot = EngineSnapshot.of(self.engine, len(self._live))
+                    with phases.span("detokenize_stream"):
+                        self._flush()
         except BaseException as e:  # noqa: BLE001 - anything that escapes a step ends the loop
             logger.exception("the engine loop died")
             self.error = e

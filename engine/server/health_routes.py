@@ -60,6 +60,7 @@ async def metrics(ctx: Ctx) -> Response:
     m.running.set(counters["num_running"])
     m.waiting.set(counters["num_waiting"])
     m.observe_controller(controller_metrics(await ctx.engine.policy_state(), counters["ooms_recovered"]))
+    m.observe_phases(ctx.engine.engine.phases.totals())
     return Response(m.exposition(), media_type=METRICS_CONTENT_TYPE)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +170,8 @@ async def _answer(
         body = p.envelope(rid, created, name, endpoint.chunk_object, choices)
         return _sse({**body, "usage": None} if req.include_usage else body)
 
+    phases = ctx.engine.engine.phases  # thread-safe: timed on the engine thread and here
+
     async def events() -> AsyncIterator[str]:
         formatters = {c.index: endpoint.logprobs(ctx.tokenizer) for c in updates.choices}
         try:
@@ -176,11 +179,14 @@ async def _answer(
                 for opening in endpoint.opening(c.index):
                     yield chunk([opening])
             async for c, update in updates:
+                start = time.perf_counter()
                 delta = c.advance(update)
                 wanted = logprobs is not None and update.token_ids
                 piece = formatters[c.index].add(update.token_ids, update.logprobs) if wanted else None
-                for choice in endpoint.deltas(c.index, delta, piece, c.finish_reason):
-                    yield chunk([choice])
+                lines = [chunk([choice]) for choice in endpoint.deltas(c.index, delta, piece, c.finish_reason)]
+                phases.add("detokenize_stream", time.perf_counter() - start)  # the event loop's share
+                for line in lines:
+                    yield line
             if req.include_usage:
                 yield _sse({**p.envelope(rid, created, name, endpoint.chunk_object, []), "usage": use()})
         except APIError as e:

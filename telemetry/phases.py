@@ -1,0 +1,41 @@
+"""Where an engine step's wall time goes, by phase, so that work outside the forward is seen as it grows
+(issue #14's per-step breakdown). Phases are timed where they run: the scheduler and the controller in the
+engine step, the forward and the sampler in the backend, detokenizing and streaming partly on the engine
+thread and partly on the server's event loop, hence the lock.
+
+Phases: schedule (pool sizing and packing the batch), forward (the model, logits included), sampler,
+controller (the policy observing the step), telemetry (the step record and its listeners: metrics, trace),
+detokenize_stream (stop checks, handing tokens to requests, text and SSE chunks).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+PHASES = ("schedule", "forward", "sampler", "controller", "telemetry", "detokenize_stream")
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start)
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[phase] += seconds
+
+    def totals(self) -> dict[str, float]:
+        """Seconds spent in each phase since the engine started."""
+        with self._lock:
+            return dict(self._seconds)
