@@ -51,6 +51,7 @@ class Run:
     concurrency: int
     prompts: int
     result: dict
+    phases: dict[str, float] = field(default_factory=dict)  # Headroom's step phases over the run, seconds
 
 
 @dataclass
@@ -162,6 +163,14 @@ class Server:
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} not healthy after {START_TIMEOUT_S:.0f} s")
 
+    def phases(self) -> dict[str, float]:
+        """Headroom's cumulative step phases (telemetry/phases.py) from /controller/state; {} for vLLM."""
+        try:
+            with urllib.request.urlopen(self.url + "/controller/state?steps=0", timeout=10) as r:
+                return json.load(r).get("engine", {}).get("step_phases_s", {})
+        except OSError:
+            return {}
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -196,7 +205,10 @@ def measure(server: Server, venv: Path, hf_dir: Path, work: Path, args: argparse
         res.rss_start_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
         for con, prompts in zip(args.concurrency, args.prompts, strict=True):
             print(f"[bench] {server.name} concurrency {con} ({prompts} prompts), load {load_average()}", flush=True)
-            res.runs.append(Run(con, prompts, bench_serve(venv, server, hf_dir, con, prompts, work, args)))
+            before = server.phases()
+            run = Run(con, prompts, bench_serve(venv, server, hf_dir, con, prompts, work, args))
+            run.phases = {k: v - before.get(k, 0.0) for k, v in server.phases().items()}
+            res.runs.append(run)
         res.rss_end_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
     except (RuntimeError, subprocess.CalledProcessError) as e:
         res.error = str(getattr(e, "stderr", "") or e)[-1500:]
@@ -286,7 +298,22 @@ def report(results: list[ServerResult], info: dict[str, str], args: argparse.Nam
         out_ratio = ratio(h.get("output_throughput", 0), v.get("output_throughput", 0))
         ttft_ratio = ratio(v.get("mean_ttft_ms", 0), h.get("mean_ttft_ms", 0))
         lines.append(f"| {con} | {prompts} | " + " | ".join(cells) + f" | {out_ratio} | {ttft_ratio} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + phase_table(results)) + "\n"
+
+
+def phase_table(results: list[ServerResult]) -> list[str]:
+    """Headroom's step time by phase at each concurrency, as shares of all the phases' seconds."""
+    runs = [run for r in results for run in r.runs if run.phases]
+    if not runs:
+        return []
+    names = list(runs[0].phases)
+    lines = ["", "Headroom's step time by phase (share of the phases' total; telemetry/phases.py):", ""]
+    lines += ["| concurrency | " + " | ".join(names) + " | total s |", "|---|" + "---|" * (len(names) + 1)]
+    for run in runs:
+        total = sum(run.phases.values()) or 1.0
+        cells = [f"{100 * run.phases[n] / total:.1f}%" for n in names]
+        lines.append(f"| {run.concurrency} | " + " | ".join(cells) + f" | {total:.1f} |")
+    return lines
 
 
 def fallback_report(
