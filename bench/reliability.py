@@ -155,10 +155,11 @@ def openai_error_problem(body: Any) -> str | None:
 
 
 class Server:
-    """`headroom serve --backend twin` as a subprocess on 127.0.0.1 and a free port; use as a context manager."""
+    """`headroom serve --backend twin` (or `backend`) as a subprocess on 127.0.0.1 and a free port; use as a
+    context manager."""
 
-    def __init__(self, flags: list[str], log: Path) -> None:
-        self.argv = ["-m", "engine.server.cli", "--backend", "twin", "--host", "127.0.0.1", "--port", "0", *flags]
+    def __init__(self, flags: list[str], log: Path, backend: str = "twin") -> None:
+        self.argv = ["-m", "engine.server.cli", "--backend", backend, "--host", "127.0.0.1", "--port", "0", *flags]
         self.log = log
         self.url = ""
         self.proc: subprocess.Popen | None = None

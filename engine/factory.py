@@ -77,12 +77,13 @@ def sizes_kv_pool(cfg: EngineConfig) -> bool:
 def build_engine(cfg: EngineConfig) -> LLMEngine:
     policy = build_policy(cfg)
     if not sizes_kv_pool(cfg):
-        return LLMEngine(build_backend(cfg), policy)
+        return LLMEngine(build_backend(cfg), policy, cfg.enable_prefix_caching)
     from engine.kv_pool import profile_blocks, size_kv_pool
 
     block_size = cfg.block_size or _default_block_size(cfg)
     start = profile_blocks(policy.cfg.pool_reserve_tokens, block_size)
-    engine = LLMEngine(build_backend(dataclasses.replace(cfg, num_blocks=start, block_size=block_size)), policy)
+    backend = build_backend(dataclasses.replace(cfg, num_blocks=start, block_size=block_size))
+    engine = LLMEngine(backend, policy, cfg.enable_prefix_caching)
     size_kv_pool(engine)
     return engine
 

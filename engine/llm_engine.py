@@ -11,6 +11,7 @@ import torch
 
 from controller.policy import Policy
 from engine.kv_cache import BlockAllocator, ResizePlan
+from engine.prefix_cache import PrefixCache
 from engine.sampling_params import ParamError, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -61,11 +62,12 @@ class EngineDeadError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, backend: Backend, policy: Policy) -> None:
+    def __init__(self, backend: Backend, policy: Policy, enable_prefix_caching: bool = True) -> None:
         self.backend = backend
         self.policy = policy
         self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
-        self.scheduler = Scheduler(self.allocator, policy)
+        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
+        self.scheduler = Scheduler(self.allocator, policy, self.prefix_cache)
         self.requests: dict[str, Sequence] = {}
         self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings and a tokenizer
         self.healthy = True
@@ -301,6 +303,8 @@ class LLMEngine:
             kv_blocks_total=self.allocator.num_blocks,
             oom=oom,
             preempted=len(batch.preempted),
+            prefix_cache_queries=batch.prefix_queries,
+            prefix_cache_hits=batch.prefix_hits,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             limits=self.policy.limits().as_dict(),

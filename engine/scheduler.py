@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from controller.limits import Limits
 from controller.policy import Policy
 from engine.kv_cache import BlockAllocator
+from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence, Status, TokenLogprob
 from telemetry.record import StepShape
 
@@ -33,6 +34,8 @@ class ScheduledBatch:
     deferred: int = 0  # prefill candidates the policy's fit check pushed to a later step
     chunked: int = 0  # prefills cut short of the sequence's remaining tokens
     kv_blocked: bool = False  # a prefill waited for KV blocks
+    prefix_queries: int = 0  # tokens of the sequences admitted this step (prefix caching on)
+    prefix_hits: int = 0  # of those, tokens whose KV came from the prefix cache
 
     def add(self, item: ScheduledSeq) -> None:
         self.items.append(item)
@@ -49,9 +52,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, policy: Policy) -> None:
+    def __init__(self, allocator: BlockAllocator, policy: Policy, prefix_cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
         self.policy = policy
+        self.prefix_cache = prefix_cache  # None: prefix caching off
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -145,15 +149,24 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Back to the head of the queue with its blocks freed: its tokens are recomputed when readmitted."""
+        """Back to the head of the queue with its blocks freed: its tokens are recomputed when readmitted
+        (those still cached when it is, taken from the cache)."""
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._free_blocks(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks, registering its computed full blocks first (a decode burst that bypassed
+        `update` may have filled some), so they stay cached for a later request or its own readmission."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.commit(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
 
     def _reserved_blocks(self, seq: Sequence, lim: Limits) -> int:
         """Blocks `seq` may still claim: the rest of its known tokens plus `kv_reserve_ratio` of its future
@@ -175,47 +188,66 @@ class Scheduler:
             is_long = seq.prompt_len >= lim.long_prompt_threshold
             if is_long and ((lim.defer_long_while_decoding and decoding) or long_in_batch >= lim.max_long_per_batch):
                 continue  # the seed's long-prompt rules: others may still go
-            remaining = seq.num_tokens - seq.num_computed
+            # Prefix cache hits (admission only): their KV is there, so computing starts after them.
+            hits = self.prefix_cache.match(seq) if admitting and self.prefix_cache is not None else []
+            start = seq.num_computed + len(hits) * self.allocator.block_size
+            free = self.allocator.num_free - self.allocator.num_evictable(hits)  # what is free once they are taken
+            remaining = seq.num_tokens - start
             budget = min(
                 lim.max_prefill_tokens - batch.shape.prefill_tokens,
                 lim.max_batched_tokens - batch.shape.tokens,
             )
             # KV admission: a new sequence must fit beside every running one's outstanding reservation.
-            need = self._reserved_blocks(seq, lim) if admitting else 0
-            if admitting and need > self.allocator.num_free - outstanding:
+            need = self._reserved_blocks(seq, lim) - len(hits) if admitting else 0
+            if admitting and need > free - outstanding:
                 batch.kv_blocked = True
                 break
             # KV room: the chunk is cut to the tokens its last block and the free blocks hold. Both KV
             # checks come before the memory fit, so the policy only ever counts chunks that run.
-            kv_room = (len(seq.block_table) + self.allocator.num_free) * self.allocator.block_size - seq.num_computed
+            kv_room = (len(seq.block_table) + len(hits) + free) * self.allocator.block_size - start
             chunk = min(remaining, budget, kv_room)
             if kv_room < budget and kv_room < remaining:
                 batch.kv_blocked = True
             if (chunk < remaining and not lim.chunked_prefill) or kv_room <= 0:
                 break
             if chunk > 0:
-                chunk = self.policy.fit_chunk(batch.shape, seq.num_computed, chunk)
+                chunk = self.policy.fit_chunk(batch.shape, start, chunk)
             if chunk <= 0:
                 batch.deferred += 1
                 break
+            if admitting:
+                self._admit(seq, hits, batch)
             outstanding += need
             grow = self.allocator.blocks_for(seq.num_computed + chunk) - len(seq.block_table)
             if grow > 0:
                 seq.block_table.extend(self.allocator.allocate(grow))
                 outstanding -= grow
-            if admitting:
-                self.waiting.remove(seq)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
             long_in_batch += is_long
             batch.chunked += chunk < remaining
             batch.add(ScheduledSeq(seq, seq.num_computed, chunk, is_prefill=True))
+
+    def _admit(self, seq: Sequence, hits: list[int], batch: ScheduledBatch) -> None:
+        """Waiting to running, holding its prefix cache hits."""
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        if self.prefix_cache is None:
+            return
+        self.allocator.share(hits)
+        seq.block_table = list(hits)
+        seq.num_cached_blocks = len(hits)
+        seq.num_computed = len(hits) * self.allocator.block_size
+        self.prefix_cache.record_admission(seq, seq.num_computed)
+        batch.prefix_queries += seq.num_tokens
+        batch.prefix_hits += seq.num_computed
 
     def update(self, batch: ScheduledBatch, tokens: list[int]) -> None:
         """Advance every scheduled sequence past the tokens it computed and append the sampled tokens."""
         sampled = iter(tokens)
         for item in batch.items:
             item.seq.num_computed = item.start + item.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(item.seq)
             if item.sample:
                 item.seq.output_ids.append(next(sampled))
 
@@ -224,7 +256,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._free_blocks(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -38,6 +38,10 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    # prefix caching (engine/prefix_cache.py): hashes of the full blocks of its tokens so far, and how many
+    # blocks at the head of block_table are registered in the cache (or were hits)
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_blocks: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

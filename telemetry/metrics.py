@@ -119,6 +119,12 @@ class Metrics:
             "vllm:prompt_tokens", "Prefill tokens processed (recomputed after preemption counted again)."
         ).labels(name)
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.").labels(name)
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens (every token of each admitted request)."
+        ).labels(name)
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens (KV taken from the cache at admission)."
+        ).labels(name)
         success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
         self.success = {reason: success.labels(name, reason) for reason in FINISH_REASONS}
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(name)
@@ -198,6 +204,9 @@ class Metrics:
                 self.prompt_tokens.inc(shape.prefill_tokens)
             if shape.sampled_seqs:
                 self.generation_tokens.inc(shape.sampled_seqs)
+        if record.prefix_cache_queries:  # admissions stand even when the step then OOMs
+            self.prefix_cache_queries.inc(record.prefix_cache_queries)
+            self.prefix_cache_hits.inc(record.prefix_cache_hits)
         self.step_duration.observe(record.duration)
         self.step_peak.set(mem.step_peak)
         self.capacity.set(mem.capacity)

@@ -54,6 +54,8 @@ class StepRecord:
     kv_blocks_total: int
     oom: bool = False
     preempted: int = 0  # sequences preempted (by recompute) while scheduling this step
+    prefix_cache_queries: int = 0  # tokens of the sequences admitted this step, when prefix caching is on
+    prefix_cache_hits: int = 0  # of those, tokens whose KV the prefix cache already held
     num_running: int = 0
     num_waiting: int = 0
     limits: dict = field(default_factory=dict)  # the limits in force, as plain numbers

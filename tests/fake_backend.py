@@ -1,5 +1,7 @@
-"""A model-free backend that still goes through the paged KV: it writes each token into its slot and derives
-the next token from what it reads back through the block table, so aliasing or a lost block changes output."""
+"""A model-free backend that still goes through the paged KV: like a model's, the value it writes into a
+token's slot depends on the token and on the slot before it (read back through the block table), and the next
+token is derived from what it reads back, so aliasing, a lost block or a block reused under another prefix
+changes the output."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ class FakeBackend:
         out = []
         for item in batch.items:
             seq, bs = item.seq, self.block_size
-            for pos in range(item.start, item.start + item.num_tokens):
-                self.slots[seq.block_table[pos // bs] * bs + pos % bs] = seq.token_ids[pos]
+            kv = self.slots[seq.block_table[(item.start - 1) // bs] * bs + (item.start - 1) % bs] if item.start else 0
+            for pos, token in enumerate(seq.token_slice(item.start, item.start + item.num_tokens), item.start):
+                kv = (kv * 31 + token) % 1_000_003
+                self.slots[seq.block_table[pos // bs] * bs + pos % bs] = kv
             if item.sample:
                 end = item.start + item.num_tokens
                 kv = [self.slots[seq.block_table[p // bs] * bs + p % bs] for p in range(end)]

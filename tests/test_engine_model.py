@@ -135,3 +135,16 @@ def test_kv_pool_resizes_between_steps_keep_greedy_tokens(invariant_dtype, refer
     assert moved > 0
     assert [s.output_ids for s in seqs] == reference
     assert engine.backend.kv_caches[0][0].shape[0] == engine.allocator.num_blocks
+
+
+def test_prefix_cache_hits_keep_greedy_tokens(invariant_dtype, reference):
+    """A repeated prompt and a chat's next turn (the last prompt and answer resent, plus more) start after
+    their cached blocks: their greedy tokens are those computed without the cache."""
+    llm = LLM("default", num_blocks=64, dtype=invariant_dtype)
+    first = llm.generate([PROMPTS[7]], GREEDY)[0]
+    follow = first.prompt_token_ids + first.token_ids + llm.tokenizer.encode(" And", add_special_tokens=False)
+    warm = [o.token_ids for o in llm.generate([PROMPTS[7], follow], GREEDY)]
+    n = len(first.prompt_token_ids)  # the first run computed its prompt and all but its last answer token
+    assert llm.engine.prefix_cache.hits == ((n - 1) // 16 + min((n + 11) // 16, (len(follow) - 1) // 16)) * 16
+    cold = LLM("default", num_blocks=64, dtype=invariant_dtype, enable_prefix_caching=False)
+    assert warm == [reference[7], cold.generate([follow], GREEDY)[0].token_ids]

@@ -20,6 +20,8 @@ VLLM_NAMES = {
     "vllm:num_preemptions_total",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
     "vllm:request_success_total",
     "vllm:time_to_first_token_seconds_bucket",
     "vllm:inter_token_latency_seconds_bucket",
@@ -84,6 +86,8 @@ def record(**kw: object) -> StepRecord:
         kv_blocks_free=90,
         kv_blocks_total=120,
         preempted=2,
+        prefix_cache_queries=120,
+        prefix_cache_hits=96,
         num_running=8,
         num_waiting=3,
         limits=limits,
@@ -140,6 +144,8 @@ def test_observe_step_values() -> None:
     assert value(m, "vllm:num_preemptions_total") == 2
     assert value(m, "vllm:prompt_tokens_total") == 100
     assert value(m, "vllm:generation_tokens_total") == 8
+    assert value(m, "vllm:prefix_cache_queries_total") == 120
+    assert value(m, "vllm:prefix_cache_hits_total") == 96
     assert value(m, "headroom_step_peak_bytes") == 1 << 30
     assert value(m, "headroom_idle_bytes") == 2 << 30
     assert value(m, "headroom_memory_capacity_bytes") == 8 << 30

@@ -180,6 +180,22 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(server) -> N
     assert metric(server.url, "vllm:request_success_total", finished_reason="abort") == aborted + 1
 
 
+def test_prefix_cache_hits_are_counted_in_tokens_and_change_no_token(server, client, model_name) -> None:  # noqa: ANN001
+    """The same prompt twice: the second takes its full 16-token blocks from the cache but the last token's,
+    answers the same, and /metrics and /controller/state count it as vLLM does, in tokens."""
+    prompt = "Prefix cache check: " + " ".join(f"item{i}" for i in range(30))
+    names = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    before = [metric(server.url, name) for name in names]
+    kw = {"model": model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    first, second = (client.completions.create(**kw) for _ in range(2))
+    n = first.usage.prompt_tokens
+    assert second.choices[0].text == first.choices[0].text
+    queries, hits = (metric(server.url, name) - b for name, b in zip(names, before, strict=True))
+    assert (queries, hits) == (2 * n, (n - 1) // 16 * 16)
+    engine = httpx.get(server.url + "/controller/state", timeout=30).json()["engine"]
+    assert 0 < engine["prefix_cache_hit_rate"] == engine["prefix_cache_hits"] / engine["prefix_cache_queries"]
+
+
 def test_metrics_and_controller_endpoints(server) -> None:  # noqa: ANN001
     r = httpx.get(server.url + "/metrics", timeout=30)
     assert r.status_code == 200

@@ -54,11 +54,11 @@ def test_metrics_after_requests(twin) -> None:  # noqa: ANN001
 def test_trace_lines_parse_and_match_the_allocator(tmp_path) -> None:  # noqa: ANN001
     engine = LLMEngine(TwinBackend(num_blocks=64), AdaptivePolicy())
     path = tmp_path / "trace.jsonl"
-    held: list[int] = []  # blocks held by running sequences, counted when each record is made
+    held: list[int] = []  # distinct blocks held by running sequences (prefix caching shares them), per record
     with StepTrace(16, path=path) as trace:
         engine.step_listeners.append(lambda record, batch: trace.append(record))
         engine.step_listeners.append(
-            lambda record, batch: held.append(sum(len(s.block_table) for s in engine.scheduler.running))
+            lambda record, batch: held.append(len({b for s in engine.scheduler.running for b in s.block_table}))
         )
         for i in range(12):
             engine.add_request(str(i), [7] * (100 + 300 * i), SamplingParams(max_tokens=64, ignore_eos=True))

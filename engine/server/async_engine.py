@@ -78,15 +78,17 @@ class EngineSnapshot:
     kv_blocks_total: int
     block_size: int
     max_model_len: int
+    prefix_cache_queries: int  # tokens of admitted requests (0 with prefix caching off)
+    prefix_cache_hits: int  # of those, tokens whose KV came from the prefix cache
 
     @classmethod
     def of(cls, engine: LLMEngine, num_requests: int) -> EngineSnapshot:
         """Read on the engine thread (or before it starts)."""
-        sched, alloc = engine.scheduler, engine.allocator
+        sched, alloc, cache = engine.scheduler, engine.allocator, engine.prefix_cache
         return cls(
             engine.healthy, engine.step_id, engine.ooms, engine.ooms_recovered, len(sched.running),
             len(sched.waiting), num_requests, alloc.num_used, alloc.num_free, alloc.num_blocks, alloc.block_size,
-            engine.max_model_len,
+            engine.max_model_len, cache.queries if cache else 0, cache.hits if cache else 0,
         )  # fmt: skip
 
 
