@@ -41,6 +41,7 @@ VERSION_PATCH = (
     "(m.version)\n"
 )
 MODEL_NAME = "smollm2"
+VLLM_KV_GIB = 2  # whole GiB (the variable takes an int)
 START_TIMEOUT_S = 900.0  # vLLM compiles its graphs at the first start
 
 
@@ -219,7 +220,15 @@ def measure(server: Server, venv: Path, hf_dir: Path, work: Path, args: argparse
 
 def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> list[Server]:
     threads = str(os.cpu_count())
-    vllm_env = dict(peer_env(venv), OMP_NUM_THREADS=threads, VLLM_CPU_OMP_THREADS_BIND=f"0-{int(threads) - 1}")
+    # vLLM-CPU's default KV space is 92 % of the host's RAM, which fails to start wherever anything else
+    # holds memory ("Available memory ... is less than desired CPU memory utilization"): give it Headroom's
+    # default pool size instead (65,536 tokens of this model are 1.4 GiB).
+    vllm_env = dict(
+        peer_env(venv),
+        OMP_NUM_THREADS=threads,
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{int(threads) - 1}",
+        VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GIB),
+    )
     vllm = [
         str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--served-model-name", MODEL_NAME, "--dtype", "bfloat16",
         "--host", "127.0.0.1", "--port", str(args.port),
