@@ -381,7 +381,7 @@ class AdaptivePolicy:
             self._log("kv_ratio", why)
         if self.pool.enabled:
             why = self.pool.note_demand(step, rec.preempted, bool(self._step_chunks or self._step_defers),
-                                        rec.kv_blocks_free)
+                                        rec.kv_blocks_free - rec.kv_blocks_owed)
             if why:
                 self._log("kv_pool_demand", why)
         if self._step_chunks or self._step_defers:

@@ -275,6 +275,7 @@ class LLMEngine:
             memory=self.backend.probe.sample(),
             kv_blocks_used=self.allocator.num_used,
             kv_blocks_free=self.allocator.num_free,
+            kv_blocks_owed=sched.blocks_owed(),
             kv_blocks_total=self.allocator.num_blocks,
             oom=oom,
             preempted=len(batch.preempted),

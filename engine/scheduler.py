@@ -130,6 +130,14 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def blocks_owed(self) -> int:
+        """Blocks the queued work needs for the tokens it already has: the rest of each running sequence's
+        known tokens (a chunked prefill or recompute in progress, the next decode's slot) and each waiting
+        sequence's prompt (and output, when preempted). Free blocks beyond these are spare."""
+        blocks_for = self.allocator.blocks_for
+        running = sum(max(0, blocks_for(s.num_tokens) - len(s.block_table)) for s in self.running)
+        return running + sum(blocks_for(s.num_tokens) for s in self.waiting)
+
     def preempt_newest(self, max_used: int) -> list[Sequence]:
         """Preempt running sequences by recompute, newest first, until at most `max_used` blocks are in use;
         returns them. The last resort of a KV pool that must shrink below the blocks in use (between steps,

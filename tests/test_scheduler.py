@@ -198,3 +198,21 @@ def test_logprobs_are_appended_once_per_sampled_token_through_ooms():
     for seq in seqs[:-1]:
         assert [(lp.logprob, lp.top) for lp in seq.output_logprobs] == [(0.0, [(t, 0.0)]) for t in seq.output_ids]
     assert seqs[-1].output_logprobs == []
+
+
+def test_blocks_owed_counts_a_chunked_prefill_and_the_waiting_prompts():
+    """Free blocks a chunked prefill is about to fill, or a waiting prompt needs, are not spare (the KV pool
+    controller gives back only spare ones)."""
+    policy = FixedPolicy(
+        kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False, max_num_seqs=1, max_prefill_tokens=8
+    )
+    engine = LLMEngine(FakeBackend(num_blocks=64, block_size=4), policy)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("long", list(range(2, 22)), params)  # 20 tokens: 5 blocks, 8 tokens a step
+    engine.add_request("queued", list(range(2, 12)), params)  # 10 tokens: 3 blocks, waits (max_num_seqs 1)
+    engine.step()
+    sched = engine.scheduler
+    assert [len(s.block_table) for s in sched.running] == [2]
+    assert sched.blocks_owed() == (5 - 2) + 3
+    engine.step()
+    assert sched.blocks_owed() == (5 - 4) + 3
