@@ -446,6 +446,7 @@ class AdaptivePolicy:
                 max_num_seqs=c.max_num_seqs,
                 max_batched_tokens=UNLIMITED,
                 kv_reserve_ratio=key[2],
+                preempt_by_swap=c.kv_preempt_swap,
                 allow_mixed=True,
                 prefill_first=False,
                 chunked_prefill=True,

@@ -30,6 +30,10 @@ class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     shape: StepShape = field(default_factory=StepShape)
     preempted: list[Sequence] = field(default_factory=list)
+    # Preemption by swap: (sequence, device blocks) to copy to host memory, then (sequence, device blocks) to
+    # copy its host copy back into; the backend runs both, in that order, before the step (Backend.swap).
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     deferred: int = 0  # prefill candidates the policy's fit check pushed to a later step
     chunked: int = 0  # prefills cut short of the sequence's remaining tokens
     kv_blocked: bool = False  # a prefill waited for KV blocks
@@ -49,9 +53,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, policy: Policy) -> None:
+    def __init__(self, allocator: BlockAllocator, policy: Policy, can_swap: bool = False) -> None:
         self.allocator = allocator
         self.policy = policy
+        self.can_swap = can_swap  # the backend can copy KV blocks to host memory and back (Backend.swap)
+        self._swap = False  # this step preempts by swap (the policy asks for it and the backend can)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -64,6 +70,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         lim = self.policy.limits()
+        self._swap = lim.preempt_by_swap and self.can_swap
         batch = ScheduledBatch()
         self._fill(lim, batch)
         while not batch.items and batch.kv_blocked and len(self.running) > 1:
@@ -149,11 +156,17 @@ class Scheduler:
         return victims
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """By swap when this step may (its KV goes to host memory before the step runs, and comes back when it
+        is readmitted, instead of being recomputed), else by recompute."""
+        if self._swap and seq.num_computed > 0:
+            batch.swap_out.append((seq, seq.block_table[: self.allocator.blocks_for(seq.num_computed)]))
+            seq.swapped_tokens = seq.num_computed
         self._release(seq)
         batch.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Back to the head of the queue with its blocks freed: its tokens are recomputed when readmitted."""
+        """Back to the head of the queue with its blocks freed: its tokens are recomputed when readmitted,
+        unless it was swapped out (`swapped_tokens`)."""
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
@@ -183,7 +196,6 @@ class Scheduler:
             is_long = seq.prompt_len >= lim.long_prompt_threshold
             if is_long and ((lim.defer_long_while_decoding and decoding) or long_in_batch >= lim.max_long_per_batch):
                 continue  # the seed's long-prompt rules: others may still go
-            remaining = seq.num_tokens - seq.num_computed
             budget = min(
                 lim.max_prefill_tokens - batch.shape.prefill_tokens,
                 lim.max_batched_tokens - batch.shape.tokens,
@@ -193,6 +205,14 @@ class Scheduler:
             if admitting and need > self.allocator.num_free - outstanding:
                 batch.kv_blocked = True
                 break
+            if admitting and seq.swapped_tokens:  # no prefill: its KV comes back from host memory
+                outstanding += need - self._swap_in(seq, batch)
+                if seq.is_decode:
+                    if self.policy.fit_decodes(batch.shape, [seq.num_tokens]):  # its next token, this step
+                        batch.add(ScheduledSeq(seq, seq.num_computed, 1, is_prefill=False))
+                    continue
+                admitting, need = False, 0  # swapped out part way through its prompt: prefill the rest
+            remaining = seq.num_tokens - seq.num_computed
             # KV room: the chunk is cut to the tokens its last block and the free blocks hold. Both KV
             # checks come before the memory fit, so the policy only ever counts chunks that run.
             kv_room = (len(seq.block_table) + self.allocator.num_free) * self.allocator.block_size - seq.num_computed
@@ -219,6 +239,18 @@ class Scheduler:
             batch.chunked += chunk < remaining
             batch.add(ScheduledSeq(seq, seq.num_computed, chunk, is_prefill=True))
 
+    def _swap_in(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Readmit a swapped-out sequence: blocks for its tokens (the first filled from its host copy before
+        the step runs, the last holding its next token's slot). Returns the blocks taken."""
+        seq.block_table.extend(self.allocator.allocate(self.allocator.blocks_for(seq.num_tokens)))
+        blocks = seq.block_table[: self.allocator.blocks_for(seq.swapped_tokens)]
+        seq.num_computed, seq.swapped_tokens = seq.swapped_tokens, 0
+        batch.swap_in.append((seq, blocks))
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return len(seq.block_table)
+
     def update(self, batch: ScheduledBatch, tokens: list[int]) -> None:
         """Advance every scheduled sequence past the tokens it computed and append the sampled tokens."""
         sampled = iter(tokens)
@@ -234,5 +266,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        seq.swapped_tokens, seq.kv_host = 0, None
         seq.status = Status.FINISHED
         seq.finish_reason = reason

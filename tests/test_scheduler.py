@@ -216,3 +216,29 @@ def test_blocks_owed_counts_a_chunked_prefill_and_the_waiting_prompts():
     assert sched.blocks_owed() == (5 - 2) + 3
     engine.step()
     assert sched.blocks_owed() == (5 - 4) + 3
+
+
+@pytest.mark.parametrize("num_blocks", [20, 24])
+def test_preemption_by_swap_is_invisible_in_the_output_and_never_recomputes(num_blocks):
+    """A swapped-out sequence comes back with its KV copied in, not recomputed: outputs equal the lone runs
+    (the fake backend scribbles over swapped-out slots, so a wrong copy would show), no prefill chunk ever
+    covers a token that already had KV, and every block and host copy is given back."""
+    backend = FakeBackend(num_blocks=num_blocks, can_swap=True)
+    engine = LLMEngine(backend, vllm_like(preempt_by_swap=True))
+    assert run(engine, PROMPTS) == alone(PROMPTS)
+    assert engine.scheduler.num_preemptions > 0 and backend.swapped_blocks > 0
+    recomputed = [
+        it
+        for b in backend.steps
+        for it in b.items
+        if it.is_prefill and it.start + it.num_tokens > len(it.seq.prompt_ids)
+    ]
+    assert recomputed == []
+    assert engine.allocator.num_used == 0
+
+
+def test_a_backend_that_cannot_swap_preempts_by_recompute():
+    backend = FakeBackend(num_blocks=24)
+    engine = LLMEngine(backend, vllm_like(preempt_by_swap=True))
+    assert run(engine, PROMPTS) == alone(PROMPTS)
+    assert engine.scheduler.num_preemptions > 0 and backend.swapped_blocks == 0
