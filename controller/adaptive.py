@@ -381,7 +381,7 @@ class AdaptivePolicy:
             self._log("kv_ratio", why)
         if self.pool.enabled:
             why = self.pool.note_demand(step, rec.preempted, bool(self._step_chunks or self._step_defers),
-                                        rec.kv_blocks_free)
+                                        rec.kv_blocks_free - rec.kv_blocks_owed)
             if why:
                 self._log("kv_pool_demand", why)
         if self._step_chunks or self._step_defers:
@@ -446,6 +446,7 @@ class AdaptivePolicy:
                 max_num_seqs=c.max_num_seqs,
                 max_batched_tokens=UNLIMITED,
                 kv_reserve_ratio=key[2],
+                preempt_by_swap=c.kv_preempt_swap,
                 allow_mixed=True,
                 prefill_first=False,
                 chunked_prefill=True,

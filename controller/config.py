@@ -71,6 +71,7 @@ class ControllerConfig:
     kv_ratio_jump: float = _gain(0.0, "fraction of max_tokens", 0.0, 1.0, "ratio rise on preemption")
     kv_churn_max: float = _gain(50.0, "preemptions per 1000 steps", 0.0, 1e6, "tolerated churn")
     kv_floor_step: float = _gain(0.05, "fraction of max_tokens", 0.0, 1.0, "floor rise when churn is over")
+    kv_preempt_swap: bool = _gain(True, "bool", 0, 1, "preempt by swap to host where the backend can")
 
     # --- KV pool sizing (controller/kv_pool.py; only without --num-blocks) ------------------------------
     pool_reserve_tokens: int = _gain(1024, "tokens", 1, 1 << 20, "profiled prefill step the pool leaves room for")

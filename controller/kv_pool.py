@@ -29,8 +29,13 @@ where it binds (the out=4096 points). So the pool keeps the profiled reserve whi
 lowers it to `pool_min_reserve_tokens` worth (the profiled bytes scaled by tokens: the reserve is logits
 and activations, linear in the prompt tokens of the step) when a step preempts for lack of blocks; the
 room this frees is then grown into by the ordinary grow rule. It returns to the profiled reserve when a
-prefill is cut for memory while enough blocks stand free to give it back, and `pool_cooldown` steps have
-passed with no preemption; the shrink then takes free blocks only.
+prefill is cut for memory while enough blocks stand spare to give it back, and `pool_cooldown` steps have
+passed with no preemption; the shrink then takes free blocks only. Spare, not free: blocks that a chunked
+prefill (often the recompute of a preempted sequence) is about to fill, or that queued requests need for
+their prompts, are free for a moment but not room KV can spare. Counting them as spare flipped the reserve
+back in the middle of each recompute at the KV-bound points, the pool shrank 111 -> 87 blocks, the next
+decode preempted again, and the pool grew back: at (4, 4096, 4096) on the twin a cycle every ~50 steps
+(bench/results/kv_pressure.md).
 """
 
 from __future__ import annotations
@@ -75,8 +80,9 @@ class PoolSizer:
             return self.full_reserve
         return self.full_reserve * min(1.0, self.cfg.pool_min_reserve_tokens / self.cfg.pool_reserve_tokens)
 
-    def note_demand(self, step: int, preempted: int, prefill_cut: bool, free_blocks: int) -> str | None:
-        """After each step: switch the reserve to follow what binds; returns why when it switched."""
+    def note_demand(self, step: int, preempted: int, prefill_cut: bool, spare_blocks: int) -> str | None:
+        """After each step: switch the reserve to follow what binds; returns why when it switched.
+        `spare_blocks`: free blocks that no queued work needs for the tokens it has (StepRecord.kv_blocks_owed)."""
         if preempted:
             self._last_preemption_step = step
             if not self.kv_bound:
@@ -87,12 +93,12 @@ class PoolSizer:
         if (
             self.kv_bound
             and prefill_cut
-            and free_blocks >= give_back
+            and spare_blocks >= give_back
             and step - self._last_preemption_step >= self.cfg.pool_cooldown
         ):
             self.kv_bound = False
             return (
-                f"prefill cut for memory with {free_blocks} blocks free: reserve back to {self.reserve / MIB:.0f} MiB"
+                f"prefill cut for memory with {spare_blocks} blocks spare: reserve back to {self.reserve / MIB:.0f} MiB"
             )
         return None
 

@@ -24,6 +24,9 @@ class Limits:
     # Token slots reserved at admission beyond the request's tokens and that share of its output. The seed
     # engine sizes a request as floor(tokens / block) + 1 blocks, i.e. one slot more than it can write.
     kv_reserve_extra_tokens: int = 0
+    # Preempt by swapping the victim's KV blocks to host memory (and back when it is readmitted) instead of
+    # recomputing them, where the backend can (Backend.swap). False: recompute (vLLM v1, the seed).
+    preempt_by_swap: bool = False
     allow_mixed: bool = True  # prefill and decode may share a step
     prefill_first: bool = False  # when a prefill can be scheduled, the step is prefill-only (seed engine)
     chunked_prefill: bool = True  # a prompt may be split across steps

@@ -81,6 +81,21 @@ def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int
             del old
 
 
+def swap_out_blocks(caches: list[KVCache], blocks: list[int]) -> list[KVCache]:
+    """Copies of `blocks` of every layer's K and V in host memory (preemption by swap)."""
+    idx = torch.tensor(blocks, dtype=torch.long, device=caches[0][0].device)
+    return [(k.index_select(0, idx).cpu(), v.index_select(0, idx).cpu()) for k, v in caches]
+
+
+def swap_in_blocks(caches: list[KVCache], blocks: list[int], host: list[KVCache]) -> None:
+    """Write a swap_out_blocks copy into `blocks` (new ids, as many as were swapped out), layer by layer."""
+    device = caches[0][0].device
+    idx = torch.tensor(blocks, dtype=torch.long, device=device)
+    for (k, v), (hk, hv) in zip(caches, host, strict=True):
+        k.index_copy_(0, idx, hk.to(device))
+        v.index_copy_(0, idx, hv.to(device))
+
+
 def _replaced(pair: KVCache, which: int, tensor: torch.Tensor) -> KVCache:
     return (tensor, pair[1]) if which == 0 else (pair[0], tensor)
 

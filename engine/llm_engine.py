@@ -42,6 +42,12 @@ class Backend(Protocol):
         """Release what the failed step held (torch.cuda.empty_cache on CUDA)."""
         ...
 
+    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
+        """Only where `can_swap` is True: copy each `out` sequence's listed KV blocks to host memory (kept in
+        `seq.kv_host`), then each `into` sequence's host copy into its listed blocks (and drop it); returns
+        the seconds it cost."""
+        ...
+
     def resize_kv(self, plan: ResizePlan) -> float:
         """Resize the KV tensors to `plan` (copying the blocks in plan.moves) and set num_blocks; returns
         the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged, when it cannot."""
@@ -67,7 +73,9 @@ class LLMEngine:
         self.policy = policy
         self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
         self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
-        self.scheduler = Scheduler(self.allocator, policy, self.prefix_cache)
+        self.scheduler = Scheduler(
+            self.allocator, policy, self.prefix_cache, can_swap=getattr(backend, "can_swap", False)
+        )
         self.requests: dict[str, Sequence] = {}
         self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings and a tokenizer
         self.healthy = True
@@ -197,9 +205,11 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that got a token or finished."""
         phases = self.phases
-        with phases.span("schedule"):
+        with phases.span("schedule"):  # KV swaps included: they move blocks for the step being packed
             self._follow_pool_target()
             batch = self.scheduler.schedule()
+            if batch.swap_out or batch.swap_in:  # before the step and outside it: an OOM there must not skip them
+                self.backend.swap(batch.swap_out, batch.swap_in)
         if not batch.items:
             return []
         start = self.backend.now()
@@ -300,6 +310,7 @@ class LLMEngine:
             memory=self.backend.probe.sample(),
             kv_blocks_used=self.allocator.num_used,
             kv_blocks_free=self.allocator.num_free,
+            kv_blocks_owed=sched.blocks_owed(),
             kv_blocks_total=self.allocator.num_blocks,
             oom=oom,
             preempted=len(batch.preempted),

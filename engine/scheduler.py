@@ -31,6 +31,10 @@ class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     shape: StepShape = field(default_factory=StepShape)
     preempted: list[Sequence] = field(default_factory=list)
+    # Preemption by swap: (sequence, device blocks) to copy to host memory, then (sequence, device blocks) to
+    # copy its host copy back into; the backend runs both, in that order, before the step (Backend.swap).
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     deferred: int = 0  # prefill candidates the policy's fit check pushed to a later step
     chunked: int = 0  # prefills cut short of the sequence's remaining tokens
     kv_blocked: bool = False  # a prefill waited for KV blocks
@@ -52,10 +56,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, policy: Policy, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, policy: Policy, prefix_cache: PrefixCache | None = None, can_swap: bool = False
+    ) -> None:
         self.allocator = allocator
         self.policy = policy
         self.prefix_cache = prefix_cache  # None: prefix caching off
+        self.can_swap = can_swap  # the backend can copy KV blocks to host memory and back (Backend.swap)
+        self._swap = False  # this step preempts by swap (the policy asks for it and the backend can)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -68,6 +76,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         lim = self.policy.limits()
+        self._swap = lim.preempt_by_swap and self.can_swap
         batch = ScheduledBatch()
         self._fill(lim, batch)
         while not batch.items and batch.kv_blocked and len(self.running) > 1:
@@ -134,6 +143,14 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def blocks_owed(self) -> int:
+        """Blocks the queued work needs for the tokens it already has: the rest of each running sequence's
+        known tokens (a chunked prefill or recompute in progress, the next decode's slot) and each waiting
+        sequence's prompt (and output, when preempted). Free blocks beyond these are spare."""
+        blocks_for = self.allocator.blocks_for
+        running = sum(max(0, blocks_for(s.num_tokens) - len(s.block_table)) for s in self.running)
+        return running + sum(blocks_for(s.num_tokens) for s in self.waiting)
+
     def preempt_newest(self, max_used: int) -> list[Sequence]:
         """Preempt running sequences by recompute, newest first, until at most `max_used` blocks are in use;
         returns them. The last resort of a KV pool that must shrink below the blocks in use (between steps,
@@ -145,12 +162,17 @@ class Scheduler:
         return victims
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """By swap when this step may (its KV goes to host memory before the step runs, and comes back when it
+        is readmitted, instead of being recomputed), else by recompute."""
+        if self._swap and seq.num_computed > 0:
+            batch.swap_out.append((seq, seq.block_table[: self.allocator.blocks_for(seq.num_computed)]))
+            seq.swapped_tokens = seq.num_computed
         self._release(seq)
         batch.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Back to the head of the queue with its blocks freed: its tokens are recomputed when readmitted
-        (those still cached when it is, taken from the cache)."""
+        (those still cached when it is, taken from the cache), unless it was swapped out (`swapped_tokens`)."""
         self.running.remove(seq)
         self._free_blocks(seq)
         seq.num_computed = 0
@@ -188,11 +210,11 @@ class Scheduler:
             is_long = seq.prompt_len >= lim.long_prompt_threshold
             if is_long and ((lim.defer_long_while_decoding and decoding) or long_in_batch >= lim.max_long_per_batch):
                 continue  # the seed's long-prompt rules: others may still go
-            # Prefix cache hits (admission only): their KV is there, so computing starts after them.
-            hits = self.prefix_cache.match(seq) if admitting and self.prefix_cache is not None else []
-            start = seq.num_computed + len(hits) * self.allocator.block_size
+            # Prefix cache hits (admission only; a swapped-out sequence's KV comes back from host memory).
+            swapped = admitting and seq.swapped_tokens > 0
+            cached = admitting and not swapped and self.prefix_cache is not None
+            hits = self.prefix_cache.match(seq) if cached else []  # type: ignore[union-attr]
             free = self.allocator.num_free - self.allocator.num_evictable(hits)  # what is free once they are taken
-            remaining = seq.num_tokens - start
             budget = min(
                 lim.max_prefill_tokens - batch.shape.prefill_tokens,
                 lim.max_batched_tokens - batch.shape.tokens,
@@ -202,6 +224,15 @@ class Scheduler:
             if admitting and need > free - outstanding:
                 batch.kv_blocked = True
                 break
+            if swapped:  # no prefill: its KV comes back from host memory
+                outstanding += need - self._swap_in(seq, batch)
+                if seq.is_decode:
+                    if self.policy.fit_decodes(batch.shape, [seq.num_tokens]):  # its next token, this step
+                        batch.add(ScheduledSeq(seq, seq.num_computed, 1, is_prefill=False))
+                    continue
+                admitting, need, free = False, 0, self.allocator.num_free  # part way through its prompt
+            start = seq.num_computed + len(hits) * self.allocator.block_size
+            remaining = seq.num_tokens - start
             # KV room: the chunk is cut to the tokens its last block and the free blocks hold. Both KV
             # checks come before the memory fit, so the policy only ever counts chunks that run.
             kv_room = (len(seq.block_table) + len(hits) + free) * self.allocator.block_size - start
@@ -241,6 +272,18 @@ class Scheduler:
         batch.prefix_queries += seq.num_tokens
         batch.prefix_hits += seq.num_computed
 
+    def _swap_in(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Readmit a swapped-out sequence: blocks for its tokens (the first filled from its host copy before
+        the step runs, the last holding its next token's slot). Returns the blocks taken."""
+        seq.block_table.extend(self.allocator.allocate(self.allocator.blocks_for(seq.num_tokens)))
+        blocks = seq.block_table[: self.allocator.blocks_for(seq.swapped_tokens)]
+        seq.num_computed, seq.swapped_tokens = seq.swapped_tokens, 0
+        batch.swap_in.append((seq, blocks))
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return len(seq.block_table)
+
     def update(self, batch: ScheduledBatch, tokens: list[int]) -> None:
         """Advance every scheduled sequence past the tokens it computed and append the sampled tokens."""
         sampled = iter(tokens)
@@ -257,5 +300,6 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self._free_blocks(seq)
+        seq.swapped_tokens, seq.kv_host = 0, None
         seq.status = Status.FINISHED
         seq.finish_reason = reason

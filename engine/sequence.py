@@ -47,6 +47,10 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Preempted by swap: the tokens whose KV went to host memory, and the backend's copy of them (None once
+    # swapped back in, or when preempted by recompute).
+    swapped_tokens: int = 0
+    kv_host: object | None = field(default=None, compare=False, repr=False)
     stop_text_len: int | None = None  # where a stop string cut the decoded output text, set by the engine
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_ids when asked for
     # the sampler's penalty counts for this request (engine/sampler.py), made on first use

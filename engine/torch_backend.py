@@ -14,6 +14,8 @@ from engine.attention import (
     check_backend,
     kv_cache_bytes_per_block,
     resize_kv_cache,
+    swap_in_blocks,
+    swap_out_blocks,
 )
 from engine.batch_invariance import linear_min_rows
 from engine.dtype_choice import choose_dtype
@@ -26,6 +28,7 @@ from telemetry.units import parse_bytes
 if TYPE_CHECKING:
     from engine.kv_cache import ResizePlan
     from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
 
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
 
@@ -86,6 +89,9 @@ class TorchBackend:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
         self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, block_size, self.dtype, self.device)
+        # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
+        # the memory the pool gave back (and count against a cgroup or --device-memory limit).
+        self.can_swap = self.device.type == "cuda"
         self._context_cap = min(self.config.max_position_embeddings, max_model_len or 1 << 62)
         if probe is None:
             device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
@@ -121,6 +127,21 @@ class TorchBackend:
         self.num_blocks = plan.num_blocks
         if hasattr(self.probe, "idle_bytes"):  # computed probes (CPU) are told the new footprint
             self.probe.idle_bytes += plan.delta * self.block_bytes
+        return time.perf_counter() - t0
+
+    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
+        """Preemption by swap (Backend.swap; only when `can_swap`, i.e. on CUDA, where host memory is not the
+        device's): each `out` sequence's blocks of every layer's K and V are copied to host memory, then
+        each `into` sequence's host copy is copied into its new blocks, one layer at a time (a transient of
+        one layer's blocks on the device). Returns the measured seconds."""
+        t0 = time.perf_counter()
+        for seq, blocks in out:
+            seq.kv_host = swap_out_blocks(self.kv_caches, blocks)
+        for seq, blocks in into:
+            swap_in_blocks(self.kv_caches, blocks, seq.kv_host)
+            seq.kv_host = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
     def _default_num_blocks(self, capacity: int | None, fraction: float) -> int:

@@ -52,6 +52,9 @@ class StepRecord:
     kv_blocks_used: int
     kv_blocks_free: int
     kv_blocks_total: int
+    # Free blocks already spoken for: what running sequences still need for the tokens they have (the rest of
+    # a chunked prefill or recompute, the next decode's slot) and what waiting ones need for theirs.
+    kv_blocks_owed: int = 0
     oom: bool = False
     preempted: int = 0  # sequences preempted (by recompute) while scheduling this step
     prefix_cache_queries: int = 0  # tokens of the sequences admitted this step, when prefix caching is on

@@ -16,8 +16,12 @@ class FakeBackend:
     model_name = "fake"
     tokenizer = None
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 512, eos: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 512, eos: int = 0, can_swap: bool = False
+    ) -> None:
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.can_swap = can_swap
+        self.swapped_blocks = 0
         self.eos_token_ids = {eos}
         self.slots = [-1] * (num_blocks * block_size)
         self.probe = NullProbe()
@@ -45,6 +49,21 @@ class FakeBackend:
         keep = min(plan.num_blocks, self.num_blocks) * bs
         self.slots = self.slots[:keep] + [-1] * (plan.num_blocks * bs - keep)
         self.num_blocks = plan.num_blocks
+        return 0.0
+
+    def swap(self, out: list, into: list) -> float:
+        """The slots of each `out` sequence's blocks to a host list, then each `into` host list back into new
+        blocks; the old slots are scribbled over, so a swap-in that reads the wrong copy changes output."""
+        bs = self.block_size
+        for seq, blocks in out:
+            seq.kv_host = [self.slots[b * bs : (b + 1) * bs] for b in blocks]
+            for b in blocks:
+                self.slots[b * bs : (b + 1) * bs] = [-7] * bs
+            self.swapped_blocks += len(blocks)
+        for seq, blocks in into:
+            for b, saved in zip(blocks, seq.kv_host, strict=True):
+                self.slots[b * bs : (b + 1) * bs] = saved
+            seq.kv_host = None
         return 0.0
 
     def now(self) -> float:

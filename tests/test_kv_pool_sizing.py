@@ -8,6 +8,7 @@ from controller.kv_pool import MIB, PoolSizer
 from engine.cli import engine_config
 from engine.factory import build_engine
 from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
 from telemetry.metrics import Metrics
 
 
@@ -107,13 +108,13 @@ def test_reserve_lowers_while_kv_binds_and_returns_when_prefills_are_short():
     cfg = ControllerConfig(pool_cooldown=4, pool_reserve_tokens=1024, pool_min_reserve_tokens=256)
     s = PoolSizer(cfg)
     s.start(num_blocks=100, block_bytes=32 * MIB, reserve=1024 * MIB)
-    assert s.note_demand(1, preempted=0, prefill_cut=True, free_blocks=50) is None  # KV never bound
+    assert s.note_demand(1, preempted=0, prefill_cut=True, spare_blocks=50) is None  # KV never bound
     assert s.reserve == 1024 * MIB
-    assert "KV binds" in s.note_demand(2, preempted=3, prefill_cut=False, free_blocks=0)
+    assert "KV binds" in s.note_demand(2, preempted=3, prefill_cut=False, spare_blocks=0)
     assert s.reserve == 256 * MIB
-    assert s.note_demand(3, preempted=0, prefill_cut=True, free_blocks=50) is None  # too soon after a preemption
-    assert s.note_demand(6, preempted=0, prefill_cut=True, free_blocks=23) is None  # 24 blocks needed to give back
-    assert "reserve back" in s.note_demand(6, preempted=0, prefill_cut=True, free_blocks=24)
+    assert s.note_demand(3, preempted=0, prefill_cut=True, spare_blocks=50) is None  # too soon after a preemption
+    assert s.note_demand(6, preempted=0, prefill_cut=True, spare_blocks=23) is None  # 24 blocks needed to give back
+    assert "reserve back" in s.note_demand(6, preempted=0, prefill_cut=True, spare_blocks=24)
     assert s.reserve == 1024 * MIB
 
 
@@ -148,3 +149,27 @@ def test_pool_preempts_newest_as_a_last_resort_when_memory_taken_exceeds_its_fre
         e.step()
     assert e.ooms == 0
     assert all(s.finish_reason == "length" and len(s.output_ids) == 512 for s in seqs)
+
+
+def test_reserve_stays_low_while_the_free_blocks_are_owed_to_a_recompute():
+    """At a KV-bound point a preempted sequence's recompute is a long chunked prefill: while it runs, the
+    blocks it is about to fill stand free. They are not spare: giving the reserve back on them shrank the
+    pool under the recompute, and the next decode preempted again (a cycle every ~50 steps on the twin at
+    (4, 4096, 4096))."""
+    e = twin_engine()
+    pol = e.policy
+    pol.pool.note_demand(1, preempted=1, prefill_cut=False, spare_blocks=0)  # KV binds
+    assert pol.pool.kv_bound
+    give_back = -(-(pol.pool.full_reserve - pol.pool.reserve) // pol.pool.block_bytes)
+    rec = e._record(ScheduledBatch(), 0.0, 0.0, False)
+    free = rec.kv_blocks_free
+    rec.step_id = pol.cfg.pool_cooldown + 10
+    pol._step_chunks = 1  # the step cut a prefill for memory
+    rec.kv_blocks_owed = free - give_back + 1
+    pol.observe(rec)
+    assert pol.pool.kv_bound  # one block short of spare: the reserve stays low
+    rec.step_id += 1
+    rec.kv_blocks_owed = free - give_back
+    pol._step_chunks = 1
+    pol.observe(rec)
+    assert not pol.pool.kv_bound

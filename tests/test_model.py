@@ -303,3 +303,32 @@ def test_token_slice_equals_slicing_token_ids() -> None:
     seq.output_ids.extend([1, 2, 3])
     n = seq.num_tokens
     assert all(seq.token_slice(a, b) == seq.token_ids[a:b] for a in range(n + 1) for b in range(a, n + 1))
+
+
+def test_preemption_by_swap_on_the_torch_backend_matches_alone(tiny) -> None:
+    """The torch swap path (engine/attention.py swap_out_blocks / swap_in_blocks), forced on for the CPU (it
+    is on for CUDA only): a pool so small that requests are preempted gives the tokens of the lone runs,
+    with every preempted sequence swapped back in and none of its tokens recomputed."""
+    backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7, attention="sdpa")
+    assert not backend.can_swap
+    prompts = tiny_prompts(backend)[:4]
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    alone = [run_engine(backend, [p], params)[0][0].output_ids for p in prompts]
+    backend.can_swap = True
+    engine = LLMEngine(
+        backend, FixedPolicy(kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False, preempt_by_swap=True)
+    )
+    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    prefilled = {}
+    engine.step_listeners.append(
+        lambda rec, batch: [
+            prefilled.setdefault(it.seq.request_id, []).append(it.start + it.num_tokens)
+            for it in batch.items
+            if it.is_prefill
+        ]
+    )
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0
+    assert [s.output_ids for s in seqs] == alone
+    assert all(max(ends) <= len(prompts[int(rid)]) for rid, ends in prefilled.items())  # no recompute

@@ -198,3 +198,47 @@ def test_logprobs_are_appended_once_per_sampled_token_through_ooms():
     for seq in seqs[:-1]:
         assert [(lp.logprob, lp.top) for lp in seq.output_logprobs] == [(0.0, [(t, 0.0)]) for t in seq.output_ids]
     assert seqs[-1].output_logprobs == []
+
+
+def test_blocks_owed_counts_a_chunked_prefill_and_the_waiting_prompts():
+    """Free blocks a chunked prefill is about to fill, or a waiting prompt needs, are not spare (the KV pool
+    controller gives back only spare ones)."""
+    policy = FixedPolicy(
+        kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False, max_num_seqs=1, max_prefill_tokens=8
+    )
+    engine = LLMEngine(FakeBackend(num_blocks=64, block_size=4), policy)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("long", list(range(2, 22)), params)  # 20 tokens: 5 blocks, 8 tokens a step
+    engine.add_request("queued", list(range(2, 12)), params)  # 10 tokens: 3 blocks, waits (max_num_seqs 1)
+    engine.step()
+    sched = engine.scheduler
+    assert [len(s.block_table) for s in sched.running] == [2]
+    assert sched.blocks_owed() == (5 - 2) + 3
+    engine.step()
+    assert sched.blocks_owed() == (5 - 4) + 3
+
+
+@pytest.mark.parametrize("num_blocks", [20, 24])
+def test_preemption_by_swap_is_invisible_in_the_output_and_never_recomputes(num_blocks):
+    """A swapped-out sequence comes back with its KV copied in, not recomputed: outputs equal the lone runs
+    (the fake backend scribbles over swapped-out slots, so a wrong copy would show), no prefill chunk ever
+    covers a token that already had KV, and every block and host copy is given back."""
+    backend = FakeBackend(num_blocks=num_blocks, can_swap=True)
+    engine = LLMEngine(backend, vllm_like(preempt_by_swap=True))
+    assert run(engine, PROMPTS) == alone(PROMPTS)
+    assert engine.scheduler.num_preemptions > 0 and backend.swapped_blocks > 0
+    recomputed = [
+        it
+        for b in backend.steps
+        for it in b.items
+        if it.is_prefill and it.start + it.num_tokens > len(it.seq.prompt_ids)
+    ]
+    assert recomputed == []
+    assert engine.allocator.num_used == 0
+
+
+def test_a_backend_that_cannot_swap_preempts_by_recompute():
+    backend = FakeBackend(num_blocks=24)
+    engine = LLMEngine(backend, vllm_like(preempt_by_swap=True))
+    assert run(engine, PROMPTS) == alone(PROMPTS)
+    assert engine.scheduler.num_preemptions > 0 and backend.swapped_blocks == 0

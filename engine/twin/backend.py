@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from engine.kv_cache import ResizePlan
 from engine.scheduler import ScheduledBatch
-from engine.sequence import TokenLogprob
+from engine.sequence import Sequence, TokenLogprob
 from engine.twin.latency import LatencyModel, StepWork
 from engine.twin.memo import LRUMemo
 from engine.twin.memory import MEMO_SIZE, DeviceOOM, MemoryModel, StepMemory, StepResult
@@ -190,7 +190,25 @@ class TwinBackend:
             raise torch.OutOfMemoryError(str(e)) from e
         self.num_blocks = plan.num_blocks
         self.probe.idle_bytes = m.persistent
-        cost = self.resize_cost(plan, staged)
+        return self._charge(self.resize_cost(plan, staged))
+
+    can_swap = True
+
+    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
+        """Preemption by swap (Backend.swap): the blocks cross PCIe 4.0 x16 to pageable host memory and back
+        at `[kv_resize] host_copy_bytes_per_s` (the resize's staging rate), charged to the virtual clock
+        before the step; host memory is not the card's, so device memory does not change."""
+        blocks = sum(len(b) for _, b in out) + sum(len(b) for _, b in into)
+        for seq, _ in out:
+            seq.kv_host = True  # nothing to keep: the twin's tokens do not depend on KV contents
+        for seq, _ in into:
+            seq.kv_host = None
+        return self._charge(
+            blocks * self.memory.block_bytes / float(self.profile.section("kv_resize")["host_copy_bytes_per_s"])
+        )
+
+    def _charge(self, cost: float) -> float:
+        """Seconds the device spends between steps (a resize, a swap): on the clock, and busy."""
         self._t += 0.0 if self.realtime else cost
         if self.realtime:
             time.sleep(cost)
