@@ -89,6 +89,10 @@ class EngineConfig(_Config):
     block_size: int | None = _opt(None, "tokens per KV block (default: torch 16, twin 256)")
     device_memory: str | None = _opt(None, "emulated device capacity on CPU, e.g. 2GiB")
     max_model_len: int | None = _opt(None, "cap the context length")
+    model_cache: bool = _opt(
+        True, "keep the converted weights and tokenizer in $HEADROOM_CACHE_DIR (default ~/.cache/headroom), "
+        "so that the next start skips converting the model",
+    )  # fmt: skip
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
     policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")
