@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from engine.loaders.cache import ModelCache
-from engine.loaders.gguf import read_gguf
 from engine.loaders.hf import read_hf
 from engine.model import LlamaModel, ModelConfig
 from engine.tokenizer import Tokenizer
@@ -50,6 +49,15 @@ def resolve(model: str) -> Path:
     return path
 
 
+def read_source(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """The config, HF-named weights and tokenizer of a resolved GGUF file or HF directory."""
+    if path.is_dir():
+        return read_hf(path)
+    from engine.loaders.gguf import read_gguf  # gguf's reader: imported on a cache miss only
+
+    return read_gguf(path)
+
+
 def load(
     model: str,
     dtype: torch.dtype = torch.bfloat16,
@@ -68,7 +76,7 @@ def load(
 
     if cache is not None and (hit := cache.read(path, dtype, build)) is not None:
         return LoadedModel(*hit, name)
-    config, weights, tokenizer = read_gguf(path) if path.is_file() else read_hf(path)
+    config, weights, tokenizer = read_source(path)
     llama = LlamaModel(config, dtype=dtype, device=device)
     llama.load_hf_weights(weights)
     if cache is not None:
