@@ -16,7 +16,7 @@ import torch
 from engine import loaders
 from engine.config import EngineConfig
 from engine.loaders import LoadedModel, load
-from engine.loaders.cache import MANIFEST, TOKENIZER, WEIGHTS, ModelCache
+from engine.loaders.cache import CACHE_DIR_ENV, MANIFEST, TOKENIZER, WEIGHTS, ModelCache
 from engine.torch_backend import TorchBackend
 from tests.conftest import default_model_installed
 from tests.fixtures_llama import build_tiny_llama
@@ -181,7 +181,7 @@ def test_backend_uses_the_cache_unless_told_not_to(tiny, tmp_path, monkeypatch, 
     from engine.cli import engine_config
     from engine.factory import build_backend
 
-    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     cfg = engine_config([flag, "--model", str(tiny.gguf_path), "--dtype", "float32", "--num-blocks", "4"])
     assert cfg.model_cache == (flag == "--model-cache") and EngineConfig().model_cache
     backend = build_backend(cfg)
