@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.report_io import write_report
+from bench.server_process import free_port, stop
 from telemetry.probes.cgroup import CgroupMemory
 from telemetry.units import parse_bytes
 
@@ -87,12 +87,6 @@ class PlantCgroup:
 
     def remove(self) -> None:
         self.mem.path.rmdir()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(policy: str, port: int, cgroup: PlantCgroup) -> subprocess.Popen:
@@ -184,13 +178,7 @@ def run(policy: str, limit: int, args: argparse.Namespace) -> Run:
         out.failed = out.sent - out.done
         out.exit_code = server.poll()
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+        stop(server, timeout=60)
         out.peak = cgroup.mem.peak()
         out.oom_kills = cgroup.oom_kills()
         cgroup.remove()

@@ -52,6 +52,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report_io import write_report
+from bench.server_process import stop
 from engine.server.standin import FILLER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,14 +186,8 @@ class Server:
         raise RuntimeError(f"the server did not start:\n{self.log.read_text(errors='replace')[-3000:]}")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop(self.proc, STOP_TIMEOUT_S)
 
     def rss_kib(self) -> int:
         """VmRSS of the server process, from /proc/PID/status."""

@@ -14,6 +14,8 @@ Two kernels share one metadata object:
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -34,26 +36,41 @@ QUERY_CHUNK = 256
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zero-filled K or V tensor: slots never written must hold finite values (masked keys multiply them
+    by zero). On CPU it lives on its own anonymous private mapping, which the kernel promises reads as
+    zeros (mmap(2): MAP_ANONYMOUS contents are initialized to zero) and backs with memory only where it is
+    first written: a pool costs resident memory for the blocks in use, not for its size, and its pages go
+    back to the system when the tensor is freed. torch.zeros would write, and so keep, every page at once.
+    On other devices: torch.zeros."""
+    device = torch.device(device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # MAP_ANONYMOUS is implied by fileno -1; private so that the pages are this process's own
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+
+
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device
 ) -> list[KVCache]:
     """One (k, v) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged
-    layout). Zeroed, so that slots never written hold finite values: masked keys multiply them by zero."""
+    layout), zero-filled (zeroed_kv_tensor)."""
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
+        (zeroed_kv_tensor(shape, dtype, device), zeroed_kv_tensor(shape, dtype, device)) for _ in range(cfg.num_layers)
     ]
 
 
 def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int]) -> None:
     """Resize every K and V tensor to `num_blocks` blocks in place in `caches`, one tensor at a time: the
-    blocks in `moves` (old id -> new id) are copied first, then a new tensor takes the kept blocks and
-    zeros the new ones, and replaces the old one, which is freed before the next tensor is made. So the
-    transient above the old pool is the growth plus one tensor, and each layer keeps one contiguous tensor
-    (what flash-attn's paged kernel reads). A shrink whose new tensor finds no device memory (another
-    process took every free byte) stages the kept blocks through host memory and frees the old tensor
-    first; the freed tensor then holds the next one, so in practice only the first is staged."""
+    blocks in `moves` (old id -> new id) are copied first, then a new zero-filled tensor (zeroed_kv_tensor:
+    on CPU its new blocks stay unwritten, so not resident) takes the kept blocks and replaces the old one,
+    which is freed before the next tensor is made. So the transient above the old pool is the growth plus
+    one tensor, and each layer keeps one contiguous tensor (what flash-attn's paged kernel reads). A shrink
+    whose new tensor finds no device memory (another process took every free byte) stages the kept blocks
+    through host memory and frees the old tensor first; the freed tensor then holds the next one, so in
+    practice only the first is staged."""
     if not caches:
         return
     device = caches[0][0].device
@@ -67,16 +84,15 @@ def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int
             keep = min(num_blocks, old.shape[0])
             shape = (num_blocks, *old.shape[1:])
             try:
-                new = old.new_empty(shape)
+                new = zeroed_kv_tensor(shape, old.dtype, device)
             except torch.OutOfMemoryError:
                 if num_blocks >= old.shape[0]:
                     raise
                 kept = old[:keep].cpu()
                 del old
                 caches[layer] = _replaced(caches[layer], which, kept)  # drops the last device reference
-                new, old = kept.new_empty(shape, device=device), kept
-            new[:keep].copy_(old[:keep])
-            new[keep:].zero_()
+                new, old = zeroed_kv_tensor(shape, kept.dtype, device), kept
+            _copy_kept(new, old, keep)
             caches[layer] = _replaced(caches[layer], which, new)
             del old
 
@@ -94,6 +110,17 @@ def swap_in_blocks(caches: list[KVCache], blocks: list[int], host: list[KVCache]
     for (k, v), (hk, hv) in zip(caches, host, strict=True):
         k.index_copy_(0, idx, hk.to(device))
         v.index_copy_(0, idx, hv.to(device))
+
+
+def _copy_kept(new: torch.Tensor, old: torch.Tensor, keep: int) -> None:
+    """new[:keep] = old[:keep], into a zero-filled `new`. On CPU only the blocks with a nonzero byte are
+    copied: the others are bitwise equal to new's zeros already, and writing them would make the pages of
+    every never-used block resident."""
+    if new.device.type != "cpu":
+        new[:keep].copy_(old[:keep])
+        return
+    written = old[:keep].flatten(1).view(torch.uint8).any(dim=1).nonzero().squeeze(1)
+    new.index_copy_(0, written, old.index_select(0, written))
 
 
 def _replaced(pair: KVCache, which: int, tensor: torch.Tensor) -> KVCache:

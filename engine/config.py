@@ -92,6 +92,10 @@ class EngineConfig(_Config):
     enable_prefix_caching: bool = _opt(
         True, "reuse the KV of full blocks an earlier request computed for the same prefix (as vLLM v1)"
     )
+    model_cache: bool = _opt(
+        True, "keep the converted weights and tokenizer in $HEADROOM_CACHE_DIR (default ~/.cache/headroom), "
+        "so that the next start skips converting the model",
+    )  # fmt: skip
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
     policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")

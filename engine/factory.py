@@ -57,6 +57,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
         attention=cfg.attention,
         device_memory=cfg.device_memory,
         max_model_len=cfg.max_model_len,
+        model_cache=cfg.model_cache,
     )
 
 

@@ -194,3 +194,30 @@ class LlamaModel(nn.Module):
         unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
         if unused:
             raise ValueError(f"checkpoint has weights this Llama does not use: {unused[:5]}")
+
+    def prepared_weights(self) -> dict[str, torch.Tensor]:
+        """The weights in this model's own layout (fused, in its dtype), each stored once (a tied lm_head is
+        the embedding): what `load_prepared_weights` takes back without redoing the checkpoint's
+        conversion. The tensors are the parameters themselves, not copies."""
+        state = self.state_dict()
+        if self.cfg.tie_word_embeddings:
+            del state["lm_head"]
+        return state
+
+    def load_prepared_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Make `prepared_weights`' tensors this model's parameters, moved to its device but otherwise not
+        copied (so on CPU tensors mapped from a file stay mapped). Raises ValueError unless every weight is
+        there, in the model's shape and dtype."""
+        dtype = self.dtype
+        wrong = [name for name, w in weights.items() if w.dtype != dtype]
+        if wrong:
+            raise ValueError(f"weights {wrong[:5]} are not {dtype}")
+        state = {name: w.to(self.device) for name, w in weights.items()}
+        if self.cfg.tie_word_embeddings and "embed" in state:
+            state["lm_head"] = state["embed"]
+        try:
+            self.load_state_dict(state, assign=True)
+        except (RuntimeError, TypeError) as e:  # missing, unexpected or misshapen weights
+            raise ValueError(str(e)) from e
+        if self.cfg.tie_word_embeddings:
+            self.lm_head = self.embed

@@ -20,6 +20,7 @@ from engine.attention import (
 from engine.batch_invariance import linear_min_rows
 from engine.dtype_choice import choose_dtype
 from engine.loaders import load
+from engine.loaders.cache import ModelCache
 from engine.sampler import Sampler
 from telemetry.probes import make_probe
 from telemetry.probes.cpu import tensor_bytes
@@ -61,6 +62,7 @@ class TorchBackend:
         max_model_len: int | None = None,
         kv_memory_fraction: float = 0.5,
         seed: int | None = None,
+        model_cache: bool = True,
     ) -> None:
         """dtype: `auto` (default) is bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32
         (engine/dtype_choice.py); `dtype_reason` says why. Batch invariance (a token's logits do not depend
@@ -71,7 +73,8 @@ class TorchBackend:
         `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe
         and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
         weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
-        `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws."""
+        `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws.
+        `model_cache`: load through the warm-start cache (engine/loaders/cache.py)."""
         if device in (None, "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -80,7 +83,7 @@ class TorchBackend:
         self.block_size = block_size
         self.attention = resolve_attention(attention, block_size, self.device, self.dtype)
         capacity = parse_bytes(device_memory) if device_memory is not None else None
-        loaded = load(model, self.dtype, self.device)
+        loaded = load(model, self.dtype, self.device, ModelCache() if model_cache else None)
         self.model = loaded.model
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self.config = loaded.config

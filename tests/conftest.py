@@ -28,6 +28,22 @@ START_TIMEOUT_S = float(os.environ.get("HEADROOM_TEST_START_TIMEOUT", "300"))  #
 DEFAULT_FLAGS = ("--dtype", os.environ.get("HEADROOM_TEST_DTYPE", "float32"), "--device", "cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every model the suite loads, in this process or in a server it starts, goes through a warm-start cache
+    in a temporary directory (engine/loaders/cache.py), never the user's ~/.cache. Set before any load."""
+    from engine.loaders.cache import CACHE_DIR_ENV
+
+    before = os.environ.get(CACHE_DIR_ENV)
+    path = tmp_path_factory.mktemp("model_cache")
+    os.environ[CACHE_DIR_ENV] = str(path)
+    yield path
+    if before is None:
+        del os.environ[CACHE_DIR_ENV]
+    else:
+        os.environ[CACHE_DIR_ENV] = before
+
+
 @dataclass
 class ServerProcess:
     url: str

@@ -130,22 +130,22 @@ def test_twin_shrink_with_no_free_memory_stages_through_the_host():
 def test_torch_shrink_with_no_device_memory_stages_through_the_host(monkeypatch):
     """The CUDA shrink with fakes: the first new tensor cannot be allocated on the device, so its kept
     blocks go to the host and back after the old tensor is dropped; every block kept is intact."""
-    from engine.attention import resize_kv_cache
+    from engine import attention
 
     calls = []
-    real = torch.Tensor.new_empty
+    real = attention.zeroed_kv_tensor
 
-    def new_empty_oom_once(self, *args, **kwargs):
-        calls.append(kwargs.get("device"))
+    def zeroed_oom_once(shape, dtype, device):
+        calls.append(shape)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("no device memory")
-        return real(self, *args, **kwargs)
+        return real(shape, dtype, device)
 
-    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty_oom_once)
+    monkeypatch.setattr(attention, "zeroed_kv_tensor", zeroed_oom_once)
     layers = [(torch.arange(24.0).view(6, 2, 2), -torch.arange(24.0).view(6, 2, 2)) for _ in range(2)]
     caches = [(k.clone(), v.clone()) for k, v in layers]
-    resize_kv_cache(caches, 3, {5: 1})
-    assert calls[1] is not None  # the retry after the OOM names the device: the staged path
+    attention.resize_kv_cache(caches, 3, {5: 1})
+    assert calls == [(3, 2, 2)] * 5  # the failed one, its staged retry, and the other three tensors
     for (k, v), (k0, v0) in zip(caches, layers, strict=True):
         assert k.shape == v.shape == (3, 2, 2)
         assert torch.equal(k[1], k0[5]) and torch.equal(k[2], k0[2]) and torch.equal(v[0], v0[0])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.loaders.gguf import read_gguf
+from engine.loaders.cache import ModelCache
 from engine.loaders.hf import read_hf
 from engine.model import LlamaModel, ModelConfig
 from engine.tokenizer import Tokenizer
@@ -49,9 +49,36 @@ def resolve(model: str) -> Path:
     return path
 
 
-def load(model: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> LoadedModel:
+def read_source(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """The config, HF-named weights and tokenizer of a resolved GGUF file or HF directory."""
+    if path.is_dir():
+        return read_hf(path)
+    from engine.loaders.gguf import read_gguf  # gguf's reader: imported on a cache miss only
+
+    return read_gguf(path)
+
+
+def load(
+    model: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    cache: ModelCache | None = None,
+) -> LoadedModel:
+    """The model `model` names, ready to run. With a `cache`, from its entry when it has one, else converted
+    from the source and then stored there for the next load (engine/loaders/cache.py)."""
     path = resolve(model)
-    config, weights, tokenizer = read_gguf(path) if path.is_file() else read_hf(path)
+    name = path.name if path.is_dir() else path.stem
+
+    def build(config: ModelConfig, prepared: dict[str, torch.Tensor]) -> LlamaModel:
+        llama = LlamaModel(config, dtype=dtype, device=device)
+        llama.load_prepared_weights(prepared)
+        return llama
+
+    if cache is not None and (hit := cache.read(path, dtype, build)) is not None:
+        return LoadedModel(*hit, name)
+    config, weights, tokenizer = read_source(path)
     llama = LlamaModel(config, dtype=dtype, device=device)
     llama.load_hf_weights(weights)
-    return LoadedModel(llama, config, tokenizer, path.name if path.is_dir() else path.stem)
+    if cache is not None:
+        cache.write(path, dtype, config, llama.prepared_weights(), tokenizer)
+    return LoadedModel(llama, config, tokenizer, name)
