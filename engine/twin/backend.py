@@ -195,16 +195,16 @@ class TwinBackend:
     can_swap = True
 
     def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
-        """Preemption by swap (Backend.swap): the blocks cross PCIe 4.0 x16 to pageable host memory and back
-        at `[kv_resize] host_copy_bytes_per_s` (the resize's staging rate), charged to the virtual clock
-        before the step; host memory is not the card's, so device memory does not change."""
+        """Preemption by swap (Backend.swap): the blocks cross PCIe 4.0 x16 to pinned host memory and back
+        (the torch backend swaps through pinned memory) at `[kv_resize] pinned_copy_bytes_per_s`, charged to
+        the virtual clock before the step; host memory is not the card's, so device memory does not change."""
         blocks = sum(len(b) for _, b in out) + sum(len(b) for _, b in into)
         for seq, _ in out:
             seq.kv_host = True  # nothing to keep: the twin's tokens do not depend on KV contents
         for seq, _ in into:
             seq.kv_host = None
         return self._charge(
-            blocks * self.memory.block_bytes / float(self.profile.section("kv_resize")["host_copy_bytes_per_s"])
+            blocks * self.memory.block_bytes / float(self.profile.section("kv_resize")["pinned_copy_bytes_per_s"])
         )
 
     def _charge(self, cost: float) -> float:
