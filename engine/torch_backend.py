@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -11,12 +10,12 @@ import torch
 from engine.attention import (
     allocate_kv_cache,
     build_attention_metadata,
-    check_backend,
     kv_cache_bytes_per_block,
     resize_kv_cache,
 )
 from engine.batch_invariance import linear_min_rows
 from engine.dtype_choice import choose_dtype
+from engine.kernel_choice import KernelChoice, choose_kernel
 from engine.loaders import load
 from engine.sampler import Sampler
 from telemetry.probes import make_probe
@@ -30,18 +29,20 @@ if TYPE_CHECKING:
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
 
 
-def resolve_attention(name: str, block_size: int, device: torch.device, dtype: torch.dtype) -> str:
-    """'auto' takes flash-attn where it can run (CUDA, installed, 16-bit, block_size a multiple of 256)."""
-    if name == "auto":
-        usable = (
-            device.type == "cuda"
-            and dtype in (torch.float16, torch.bfloat16)
-            and block_size % 256 == 0
-            and importlib.util.find_spec("flash_attn") is not None
-        )
-        return "flash" if usable else "sdpa"
-    check_backend(name, block_size, device)
-    return name
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`auto` (or None): CUDA when there is one, else the CPU."""
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def kernel_for(
+    attention: str, block_size: int | None, device: str | torch.device | None, dtype: str | torch.dtype
+) -> KernelChoice:
+    """The attention kernel and block size a TorchBackend with these arguments runs (engine/kernel_choice.py),
+    known before the model loads: the factory sizes the KV pool in blocks of this size."""
+    resolved = resolve_device(device)
+    return choose_kernel(attention, block_size, resolved, choose_dtype(dtype, resolved).dtype)
 
 
 class TorchBackend:
@@ -51,7 +52,7 @@ class TorchBackend:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = "auto",
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         attention: str = "auto",
         probe: Any = None,
         device_memory: int | str | None = None,
@@ -68,14 +69,14 @@ class TorchBackend:
         `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe
         and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
         weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
-        `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws."""
-        if device in (None, "auto"):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws.
+        `attention` and `block_size` None: engine/kernel_choice.py (flash-attn with 256-token blocks where
+        it runs, else sdpa with 16); `kernel_reason` says why."""
+        self.device = resolve_device(device)
         choice = choose_dtype(dtype, self.device)
         self.dtype, self.dtype_reason = choice.dtype, choice.reason
-        self.block_size = block_size
-        self.attention = resolve_attention(attention, block_size, self.device, self.dtype)
+        kernel = choose_kernel(attention, block_size, self.device, self.dtype)
+        self.attention, self.block_size, self.kernel_reason = kernel.attention, kernel.block_size, kernel.reason
         capacity = parse_bytes(device_memory) if device_memory is not None else None
         loaded = load(model, self.dtype, self.device)
         self.model = loaded.model
@@ -85,7 +86,7 @@ class TorchBackend:
         self.model_name = loaded.name
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
-        self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, self.block_size, self.dtype, self.device)
         self._context_cap = min(self.config.max_position_embeddings, max_model_len or 1 << 62)
         if probe is None:
             device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
@@ -93,7 +94,7 @@ class TorchBackend:
             probe = make_probe(device_name, capacity, idle_bytes=idle)
         self.probe = probe
         self.sampler = Sampler(seed)
-        self.block_bytes = kv_cache_bytes_per_block(self.config, block_size, self.dtype)
+        self.block_bytes = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
 
     @property
     def max_model_len(self) -> int:
