@@ -85,11 +85,14 @@ class EngineConfig(_Config):
         "auto", "weights and KV dtype; auto: bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else float32", DTYPES
     )
     attention: str = _opt(
-        "auto", "attention kernel; auto: flash (flash-attn paged KV) on CUDA with flash_attn and a 16-bit dtype, else sdpa",
+        "auto",
+        "attention kernel; auto: flash (flash-attn paged KV) on CUDA with flash_attn, 16-bit dtype; else sdpa",
         ATTENTIONS,
     )
     num_blocks: int | None = _opt(None, "KV blocks (default: the backend's choice)")
-    block_size: int | None = _opt(None, "tokens per KV block (default: 256 for flash-attn, which pages only multiples of 256; 16 for sdpa; twin 256)")
+    block_size: int | None = _opt(
+        None, "tokens per KV block (default: 256 for flash, which pages only multiples of 256; 16 for sdpa; twin 256)"
+    )
     device_memory: str | None = _opt(None, "emulated device capacity on CPU, e.g. 2GiB")
     max_model_len: int | None = _opt(None, "cap the context length")
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
