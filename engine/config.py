@@ -96,6 +96,7 @@ class EngineConfig(_Config):
     device_memory: str | None = _opt(None, "emulated device capacity on CPU, e.g. 2GiB")
     max_model_len: int | None = _opt(None, "cap the context length")
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
+    enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (vLLM's flag)")
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
     policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")
     controller_config: str | None = _opt(None, "adaptive: controller config TOML", group="policy", flag="--config")

@@ -55,6 +55,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
         attention=cfg.attention,
         device_memory=cfg.device_memory,
         max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
     )
 
 

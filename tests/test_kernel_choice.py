@@ -4,9 +4,6 @@ upstream flash-attn wants (the fake enforces upstream's argument checks)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,20 +13,7 @@ from engine.factory import _default_block_size
 from engine.kernel_choice import choose_kernel
 from engine.model import ModelConfig
 
-FAKES = Path(__file__).parent / "fakes"
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
-
-
-@pytest.fixture
-def fake_flash(monkeypatch: pytest.MonkeyPatch):
-    """flash_attn importable (the fake), fresh for each test."""
-    monkeypatch.syspath_prepend(str(FAKES))
-    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    import flash_attn
-
-    flash_attn.CALLS.clear()
-    yield flash_attn
-    sys.modules.pop("flash_attn", None)
 
 
 @pytest.fixture
