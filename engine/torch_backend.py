@@ -47,6 +47,8 @@ def kernel_for(
 
 
 class TorchBackend:
+    graphs: DecodeGraphs | None = None  # captured decode steps; None: every step runs eagerly
+
     def __init__(
         self,
         model: str | LoadedModel = "default",
