@@ -115,14 +115,17 @@ def decode_step_times(backend: TorchBackend, batch: int, plan: Plan) -> list[flo
     """Seconds of each decode-only step of `batch` sequences after the warm-up steps."""
     engine = new_engine(backend)
     add_requests(engine, batch, plan.prompt_len, plan.warmup_steps + plan.decode_steps + 1)
-    decoding: list[bool] = []
-    engine.step_listeners.append(lambda record, b: decoding.append(record.shape.decode_seqs == batch))
-    times = []
+    decoding: list[bool] = []  # per step that ran a batch: was it decode-only at full batch?
+    engine.step_listeners.append(
+        lambda record, b: decoding.append(record.shape.decode_seqs == batch and not record.shape.prefill_tokens)
+    )
+    decode = []
     while engine.has_unfinished():
+        ran = len(decoding)
         t0 = time.perf_counter()
         engine.step()  # returns after the sampled ids reached the host: the device has finished
-        times.append(time.perf_counter() - t0)
-    decode = [t for t, d in zip(times, decoding, strict=True) if d]
+        if len(decoding) > ran and decoding[-1]:
+            decode.append(time.perf_counter() - t0)
     return decode[plan.warmup_steps :]
 
 
