@@ -10,6 +10,8 @@ Two kernels share one metadata object:
   to change a token's low bits with the number of queries computed beside it, so it is not used.
 - `flash` (CUDA only): flash-attn's varlen kernel reading the paged cache through `block_table`; it needs
   `block_size % 256 == 0`. Fast, but without the bitwise guarantee.
+- `flash_decode` (CUDA graphs): flash-attn's `flash_attn_with_kvcache` over the same paged cache for a
+  decode-only step, with its lengths on the device (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphMetadata
     from engine.model import ModelConfig
 
 FLASH_BLOCK_MULTIPLE = 256
@@ -257,7 +260,7 @@ def build_attention_metadata(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata | DecodeGraphMetadata
 ) -> torch.Tensor:
     """q [T, H, hd], k/v [T, KVH, hd] for the new tokens (RoPE applied). Writes k/v into their slots, then
     returns attention output [T, H, hd]: each token attends causally to its sequence's cached context."""
@@ -266,6 +269,8 @@ def paged_attention(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
     if meta.backend == "flash":
         return _flash(q, kv_cache, meta)
+    if meta.backend == "flash_decode":
+        return _flash_decode(q, kv_cache, meta)
     return _sdpa(q, kv_cache, meta)
 
 
@@ -322,3 +327,15 @@ def _flash(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch
 
     k_cache, v_cache = kv_cache
     return flash_attn_varlen_func(q, k_cache, v_cache, causal=True, **meta.flash_args)
+
+
+def _flash_decode(q: torch.Tensor, kv_cache: KVCache, meta: DecodeGraphMetadata) -> torch.Tensor:
+    """One new token per sequence, every length read on the device (`cache_seqlens`), so the launch is the
+    same whatever the step's contexts: what a captured CUDA graph needs (engine/cuda_graphs.py)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    k_cache, v_cache = kv_cache
+    out = flash_attn_with_kvcache(
+        q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables, causal=True
+    )
+    return out.squeeze(1)

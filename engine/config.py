@@ -84,9 +84,15 @@ class EngineConfig(_Config):
     dtype: str = _opt(
         "auto", "weights and KV dtype; auto: bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else float32", DTYPES
     )
-    attention: str = _opt("auto", "attention kernel", ATTENTIONS)
+    attention: str = _opt(
+        "auto",
+        "attention kernel; auto: flash (flash-attn paged KV) on CUDA with flash_attn, 16-bit dtype; else sdpa",
+        ATTENTIONS,
+    )
     num_blocks: int | None = _opt(None, "KV blocks (default: the backend's choice)")
-    block_size: int | None = _opt(None, "tokens per KV block (default: torch 16, twin 256)")
+    block_size: int | None = _opt(
+        None, "tokens per KV block (default: 256 for flash, which pages only multiples of 256; 16 for sdpa; twin 256)"
+    )
     device_memory: str | None = _opt(None, "emulated device capacity on CPU, e.g. 2GiB")
     max_model_len: int | None = _opt(None, "cap the context length")
     enable_prefix_caching: bool = _opt(
@@ -97,6 +103,7 @@ class EngineConfig(_Config):
         "so that the next start skips converting the model",
     )  # fmt: skip
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
+    enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (vLLM's flag)")
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
     policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")
     controller_config: str | None = _opt(None, "adaptive: controller config TOML", group="policy", flag="--config")

@@ -11,8 +11,6 @@ from engine.faults import OOMInjector
 from engine.llm_engine import Backend, LLMEngine
 from telemetry.probes.cgroup import cgroup_limit
 
-TORCH_BLOCK_SIZE = 16
-
 # EngineConfig's fixed caps whose Limits field has another name.
 LIMIT_NAMES = {"max_num_batched_tokens": "max_batched_tokens", "mixed": "allow_mixed"}
 
@@ -53,11 +51,12 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
         dtype=cfg.dtype,
         device=cfg.device,
         num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size or TORCH_BLOCK_SIZE,
+        block_size=cfg.block_size,
         attention=cfg.attention,
         device_memory=cfg.device_memory,
         max_model_len=cfg.max_model_len,
         model_cache=cfg.model_cache,
+        enforce_eager=cfg.enforce_eager,
     )
 
 
@@ -94,4 +93,6 @@ def _default_block_size(cfg: EngineConfig) -> int:
         from engine.twin.profile import load_profile
 
         return int(load_profile(cfg.profile).section("engine")["default_block_size"])
-    return TORCH_BLOCK_SIZE
+    from engine.torch_backend import kernel_for
+
+    return kernel_for(cfg.attention, cfg.block_size, cfg.device, cfg.dtype).block_size

@@ -1,16 +1,25 @@
 """Token sampling: greedy, temperature, top-k, top-p, min_tokens' EOS masking, presence/frequency/repetition
 penalties and logprobs.
 
-A seeded request's draw for the token at position p depends only on (seed, p): each row gets its own
-generator seeded from both. With batch-invariant logits, a seeded request then samples the same tokens
-alone or batched, and again after a preemption recomputes it. Every random row goes through the same
-sort-and-invert path whatever its parameters, so one row's options never change another row's draw.
+A seeded request's draw for the token at position p depends only on (seed, p): its uniform comes from
+splitmix64 of both, and which path draws it depends only on its own parameters. With batch-invariant logits,
+a seeded request then samples the same tokens alone or batched, and again after a preemption recomputes it.
+
+The draw stays on the logits' device: only the per-row parameters and uniforms go up (one small tensor),
+and one `.tolist()` brings the step's chosen ids back. Each random row takes the cheapest exact path its
+own parameters allow, so no row's options change another row's draw:
+- top_k set: the top k by `topk` (no sort of the vocabulary), top_p measured against the full softmax;
+- top_p only: a stable sort of the row, the one exact way to find the smallest prefix holding top_p;
+- neither: inversion of the unsorted CDF.
+A seed means the same uniform on every device; a token can still differ between devices where their
+logits or float sums round differently.
 
 Penalties and logprobs touch only the rows that ask for them: a batch without them pays a list scan.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -96,6 +105,75 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> 
     ]
 
 
+TOP_K, TOP_P, PLAIN = 0, 1, 2  # a random row's path, by its own parameters
+UNIFORM_BITS = 24  # exactly representable in float32, and below 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, position)."""
+    return (seed_for(seed, position) >> (63 - UNIFORM_BITS)) / (1 << UNIFORM_BITS)
+
+
+def _path(params: SamplingParams) -> int:
+    if params.top_k > 0:
+        return TOP_K
+    return TOP_P if params.top_p < 1 else PLAIN
+
+
+def invert_cdf(probs: torch.Tensor, drop: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the index where the CDF of `probs` (with `drop` zeroed) first exceeds u times its total.
+    The target is kept strictly below the total, so the index always has mass, even when u * total rounds
+    up to it."""
+    kept = probs if drop is None else probs.masked_fill(drop, 0.0)
+    cdf = kept.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def draw_top_k(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, u: torch.Tensor, top: int) -> torch.Tensor:
+    """Rows with top_k: the `top` (>= every row's k) largest logits by topk (sorted, best first), each row
+    cut to its k, top-p over the full softmax's probabilities of those (one O(vocab) pass, no sort).
+    Exact ties at a row's k-th place may be broken differently than a full stable sort would."""
+    ids = x.topk(min(top, x.shape[1]), dim=-1).indices
+    probs = torch.softmax(x, dim=-1).gather(1, ids)
+    ranks = torch.arange(ids.shape[1], device=x.device)[None, :]
+    drop = (probs.cumsum(dim=-1) - probs > ps[:, None]) | (ranks >= ks[:, None])
+    return ids.gather(1, invert_cdf(probs, drop, u)[:, None]).squeeze(1)
+
+
+def draw_top_p(x: torch.Tensor, ps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rows with top_p only: top-p keeps the smallest prefix of the stably sorted softmax whose mass
+    reaches top_p (a token is dropped when the mass before it already does); the first token stays."""
+    probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True, stable=True)
+    drop = probs.cumsum(dim=-1) - probs > ps[:, None]
+    return order.gather(1, invert_cdf(probs, drop, u)[:, None]).squeeze(1)
+
+
+def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rows with neither filter: the softmax's CDF in vocabulary order, no sort."""
+    return invert_cdf(torch.softmax(x, dim=-1), None, u)
+
+
+def draw_by_path(
+    x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, us: torch.Tensor, params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """Token ids for rows already ordered by path (`_path` of params[r]), each path on its own slice."""
+    paths = [_path(p) for p in params]
+    picks = []
+    for path in (TOP_K, TOP_P, PLAIN):
+        a, b = bisect_left(paths, path), bisect_right(paths, path)
+        if a == b:
+            continue
+        if path == TOP_K:
+            picks.append(draw_top_k(x[a:b], ks[a:b], ps[a:b], us[a:b], max(p.top_k for p in params[a:b])))
+        elif path == TOP_P:
+            picks.append(draw_top_p(x[a:b], ps[a:b], us[a:b]))
+        else:
+            picks.append(draw_plain(x[a:b], us[a:b]))
+    return torch.cat(picks)
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._generator = torch.Generator()  # for unseeded requests
@@ -104,36 +182,32 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
-    def _uniform(self, params: SamplingParams, position: int) -> float:
-        if params.seed is None:
-            return float(torch.rand((), generator=self._generator))
-        g = torch.Generator().manual_seed(seed_for(params.seed, position))
-        return float(torch.rand((), generator=g))
+    def _uniforms(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[float]:
+        """One uniform per row: seeded rows from (seed, position), the others from this sampler's stream."""
+        unseeded = iter(torch.rand(sum(p.seed is None for p in params), generator=self._generator).tolist())
+        return [
+            next(unseeded) if p.seed is None else seeded_uniform(p.seed, pos)
+            for p, pos in zip(params, positions, strict=True)
+        ]
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
         """logits: float32 [S, V]; positions[i]: where row i's sampled token will sit in its sequence."""
-        out = logits.argmax(dim=-1).tolist()
+        out = logits.argmax(dim=-1)
+        # random rows grouped by path on the host (stable: row order within a path), so each path takes a
+        # contiguous slice and nothing waits on the device to learn a group's size
         rand = [i for i, p in enumerate(params) if not p.greedy and p.top_k != 1]
-        if not rand:
-            return out
-        x = logits[rand].cpu()  # the draw is made on CPU, so a seed means the same thing on every device
-        temps = torch.tensor([params[i].temperature for i in rand], dtype=torch.float32)
-        probs, order = torch.softmax(x / temps[:, None], dim=-1).sort(dim=-1, descending=True, stable=True)
-        vocab = probs.shape[1]
-        ks = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rand])
-        ps = torch.tensor([params[i].top_p for i in rand], dtype=torch.float32)
-        # top-p keeps the smallest prefix whose mass reaches top_p (a token is dropped when the mass before it
-        # already does); the first token always stays.
-        drop = (probs.cumsum(dim=-1) - probs > ps[:, None]) | (torch.arange(vocab)[None, :] >= ks[:, None])
-        kept = probs.masked_fill(drop, 0.0)
-        cdf = kept.cumsum(dim=-1)
-        u = torch.tensor([self._uniform(params[i], positions[i]) for i in rand], dtype=torch.float32)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-        # u * total can round up to total; the last token with mass (kept ones are a prefix) is the bound
-        pick = torch.minimum(pick, (kept > 0).sum(dim=-1, keepdim=True) - 1)
-        for row, token in zip(rand, order.gather(1, pick).squeeze(1).tolist(), strict=True):
-            out[row] = token
-        return out
+        rand.sort(key=lambda i: _path(params[i]))
+        if rand:
+            chosen = [params[i] for i in rand]
+            uniforms = self._uniforms(chosen, [positions[i] for i in rand])
+            columns = [(i, p.temperature, p.top_k, p.top_p, u) for i, p, u in zip(rand, chosen, uniforms, strict=True)]
+            table = torch.tensor(columns, dtype=torch.float64).to(logits.device)  # the one upload
+            rows = table[:, 0].long()
+            x = logits.index_select(0, rows) / table[:, 1:2].float()
+            out.index_copy_(
+                0, rows, draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen)
+            )
+        return out.tolist()
 
     def sample_sequences(
         self, logits: torch.Tensor, seqs: Sequence[Request], eos_token_ids: set[int]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -11,15 +10,16 @@ import torch
 from engine.attention import (
     allocate_kv_cache,
     build_attention_metadata,
-    check_backend,
     kv_cache_bytes_per_block,
     resize_kv_cache,
     swap_in_blocks,
     swap_out_blocks,
 )
 from engine.batch_invariance import linear_min_rows
+from engine.cuda_graphs import Capture, DecodeGraphMetadata, DecodeGraphs, cuda_graph_capture
 from engine.dtype_choice import choose_dtype
-from engine.loaders import load
+from engine.kernel_choice import KernelChoice, choose_kernel
+from engine.loaders import LoadedModel, load
 from engine.loaders.cache import ModelCache
 from engine.sampler import Sampler
 from telemetry.probes import make_probe
@@ -34,28 +34,32 @@ if TYPE_CHECKING:
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
 
 
-def resolve_attention(name: str, block_size: int, device: torch.device, dtype: torch.dtype) -> str:
-    """'auto' takes flash-attn where it can run (CUDA, installed, 16-bit, block_size a multiple of 256)."""
-    if name == "auto":
-        usable = (
-            device.type == "cuda"
-            and dtype in (torch.float16, torch.bfloat16)
-            and block_size % 256 == 0
-            and importlib.util.find_spec("flash_attn") is not None
-        )
-        return "flash" if usable else "sdpa"
-    check_backend(name, block_size, device)
-    return name
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`auto` (or None): CUDA when there is one, else the CPU."""
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def kernel_for(
+    attention: str, block_size: int | None, device: str | torch.device | None, dtype: str | torch.dtype
+) -> KernelChoice:
+    """The attention kernel and block size a TorchBackend with these arguments runs (engine/kernel_choice.py),
+    known before the model loads: the factory sizes the KV pool in blocks of this size."""
+    resolved = resolve_device(device)
+    return choose_kernel(attention, block_size, resolved, choose_dtype(dtype, resolved).dtype)
 
 
 class TorchBackend:
+    graphs: DecodeGraphs | None = None  # captured decode steps; None: every step runs eagerly
+
     def __init__(
         self,
-        model: str = "default",
+        model: str | LoadedModel = "default",
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = "auto",
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         attention: str = "auto",
         probe: Any = None,
         device_memory: int | str | None = None,
@@ -63,10 +67,13 @@ class TorchBackend:
         kv_memory_fraction: float = 0.5,
         seed: int | None = None,
         model_cache: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
-        """dtype: `auto` (default) is bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32
-        (engine/dtype_choice.py); `dtype_reason` says why. Batch invariance (a token's logits do not depend
-        on what else is in the batch) on CPU: attention keeps it on every path; bf16 linears keep it with
+        """model: a spec for engine/loaders (`default`, a GGUF file, an HF directory), or a model already
+        loaded in this dtype on this device (engine/loaders/random_model.py). dtype: `auto` (default) is
+        bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32 (engine/dtype_choice.py);
+        `dtype_reason` says why. Batch invariance (a token's logits do not depend on what else is in the
+        batch) on CPU: attention keeps it on every path; bf16 linears keep it with
         their inputs padded to `linear_min_rows` rows, as measured by engine/batch_invariance.py's probe
         (oneDNN does not promise it); float32 linears (MKL) round a row differently by batch size, so
         greedy outputs can differ between batched and alone. On CUDA nothing is promised.
@@ -74,16 +81,18 @@ class TorchBackend:
         and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
         weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
         `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws.
-        `model_cache`: load through the warm-start cache (engine/loaders/cache.py)."""
-        if device in (None, "auto"):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        `attention` and `block_size` None: engine/kernel_choice.py (flash-attn with 256-token blocks where
+        it runs, else sdpa with 16); `kernel_reason` says why. Decode-only steps replay CUDA graphs
+        (engine/cuda_graphs.py) on CUDA with the flash kernel, unless `enforce_eager`. `model_cache`: load
+        through the warm-start cache (engine/loaders/cache.py)."""
+        self.device = resolve_device(device)
         choice = choose_dtype(dtype, self.device)
         self.dtype, self.dtype_reason = choice.dtype, choice.reason
-        self.block_size = block_size
-        self.attention = resolve_attention(attention, block_size, self.device, self.dtype)
+        kernel = choose_kernel(attention, block_size, self.device, self.dtype)
+        self.attention, self.block_size, self.kernel_reason = kernel.attention, kernel.block_size, kernel.reason
         capacity = parse_bytes(device_memory) if device_memory is not None else None
-        loaded = load(model, self.dtype, self.device, ModelCache() if model_cache else None)
+        cache = ModelCache() if model_cache else None
+        loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache)
         self.model = loaded.model
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self.config = loaded.config
@@ -91,7 +100,7 @@ class TorchBackend:
         self.model_name = loaded.name
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
-        self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, self.block_size, self.dtype, self.device)
         # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
         # the memory the pool gave back (and count against a cgroup or --device-memory limit).
         self.can_swap = self.device.type == "cuda"
@@ -103,7 +112,11 @@ class TorchBackend:
         self.probe = probe
         self.sampler = Sampler(seed)
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
-        self.block_bytes = kv_cache_bytes_per_block(self.config, block_size, self.dtype)
+        self.block_bytes = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        graphs_run = self.device.type == "cuda" and self.attention == "flash" and not enforce_eager
+        self.graphs = (
+            self.make_decode_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle())) if graphs_run else None
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -128,6 +141,8 @@ class TorchBackend:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.num_blocks = plan.num_blocks
+        if self.graphs is not None:  # they captured the old tensors
+            self.graphs = self.make_decode_graphs(self.graphs.capture)
         if hasattr(self.probe, "idle_bytes"):  # computed probes (CPU) are told the new footprint
             self.probe.idle_bytes += plan.delta * self.block_bytes
         return time.perf_counter() - t0
@@ -161,6 +176,29 @@ class TorchBackend:
             raise ValueError(f"no room for a KV cache: {available} bytes left after loading the weights")
         return blocks
 
+    def make_decode_graphs(self, capture: Capture) -> DecodeGraphs:
+        """Decode graphs over the KV tensors as they are now; the width of their block tables holds the
+        longest sequence the pool and the context allow."""
+        width = min(-(-self._context_cap // self.block_size), self.num_blocks)
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor, meta: DecodeGraphMetadata) -> torch.Tensor:
+            return self.model(ids, positions, self.kv_caches, meta)
+
+        return DecodeGraphs(forward, width, self.device, capture)
+
+    def _graph_decode(self, batch: ScheduledBatch, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+        """The hidden states of a decode-only step replayed from its CUDA graph; None where the step runs
+        eagerly (no graphs, a prefill in it, a batch above the largest bucket, a failed capture)."""
+        items = batch.items
+        if self.graphs is None or not all(it.num_tokens == 1 and it.sample for it in items):
+            return None
+        tables = [it.seq.block_table for it in items]
+        if not self.graphs.fits(len(items), max(map(len, tables))):
+            return None
+        bs = self.block_size
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        return self.graphs.run(ids, positions, slots, tables)
+
     def recover_from_oom(self) -> None:
         """Hand the failed step's cached blocks back so the next, smaller step starts clean."""
         if self.device.type == "cuda":
@@ -184,19 +222,22 @@ class TorchBackend:
                 rows.append(len(ids) - 1)
         if not batch.items:
             return []
-        meta = build_attention_metadata(
-            [(it.start, it.num_tokens, it.seq.block_table) for it in batch.items],
-            self.block_size,
-            self.device,
-            self.attention,
-        )
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, meta
-        )
+        hidden = self._graph_decode(batch, ids, positions)
+        if hidden is None:
+            meta = build_attention_metadata(
+                [(it.start, it.num_tokens, it.seq.block_table) for it in batch.items],
+                self.block_size,
+                self.device,
+                self.attention,
+            )
+            ids_t, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+            hidden = self.model(ids_t, positions_t, self.kv_caches, meta)[rows]
         if not rows:
             return []
         sampling = [it for it in batch.items if it.sample]
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden)
+        if self.device.type == "cuda":  # the sampler's .tolist() waits for the forward: time only its own work
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         tokens, logprobs = self.sampler.sample_sequences(logits, [it.seq for it in sampling], self.eos_token_ids)
         self.sampler_seconds += time.perf_counter() - start

@@ -91,6 +91,31 @@ def default_policy_flags() -> tuple[str, ...]:
     return ("--policy", "adaptive" if found else "fixed")
 
 
+@pytest.fixture
+def fake_flash(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - the tests/fakes/flash_attn module
+    """flash_attn importable as the torch stand-in in tests/fakes (upstream's signatures and paged-KV
+    checks), fresh for each test, gone after it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fakes"))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    import flash_attn
+
+    flash_attn.CALLS.clear()
+    yield flash_attn
+    sys.modules.pop("flash_attn", None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a CUDA device (bench/device_check.sh runs them where one is lent)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
     running: dict[tuple[str, ...], ServerProcess] = {}

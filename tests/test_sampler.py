@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import Generator
 
-from engine.sampler import Sampler, apply_penalties, mask_tokens, seed_for
+from engine.sampler import Sampler, apply_penalties, invert_cdf, mask_tokens, seed_for
 from engine.sampling_params import ParamError, SamplingParams
 from engine.sequence import Sequence as Request
 
@@ -75,6 +75,48 @@ def test_top_k_and_top_p_limit_support() -> None:
     keep = int((probs.cumsum(0) - probs <= 0.2).sum())  # smallest prefix reaching 0.2
     top_p = {s.sample(x, [SamplingParams(top_p=0.2)], [i])[0] for i in range(300)}
     assert top_p == set(range(keep))
+
+
+def test_top_k_with_top_p_draws_the_filtered_softmax() -> None:
+    """The top-k path (topk, no sort) with top_p draws each token of the support in proportion to its
+    probability: top-p measured against the full softmax, then renormalized over what both filters keep."""
+    x = torch.tensor([[2.0, 1.8, 1.0, 0.5, 0.4] + [-1.0] * (V - 5)])
+    p = torch.softmax(x[0], -1)
+    before = p.cumsum(0) - p
+    support = [t for t in range(4) if before[t] <= 0.75]  # top_k=4 and top_p=0.75
+    params = [SamplingParams(temperature=1.0, top_k=4, top_p=0.75, seed=s) for s in range(3000)]
+    counts = Counter(Sampler().sample(x.expand(len(params), V), params, [0] * len(params)))
+    assert set(counts) == set(support)
+    kept = p[support] / p[support].sum()
+    for token, share in zip(support, kept.tolist(), strict=True):
+        assert abs(counts[token] / len(params) - share) < 0.03
+
+
+def test_inversion_never_lands_on_a_token_without_mass() -> None:
+    """u * total can round up to the total: the pick must still be a token with mass, in vocabulary
+    order (the plain path) as in sorted order."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    top = torch.full((2,), 1 - 2**-24)
+    assert invert_cdf(probs, None, top).tolist() == [3, 1]
+    assert invert_cdf(probs, None, torch.zeros(2)).tolist() == [1, 0]
+
+
+def test_random_rows_never_go_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draw stays on the logits' device: no row is copied out with .cpu() (the old sampler drew every
+    random row on the CPU)."""
+
+    def refuse(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a tensor was moved to the CPU")
+
+    monkeypatch.setattr(torch.Tensor, "cpu", refuse)
+    x = logits(8)
+    mixes = [
+        SamplingParams(temperature=0.9, top_k=5),
+        SamplingParams(top_p=0.5),
+        SamplingParams(),
+        SamplingParams(temperature=0),
+    ]
+    assert len(Sampler(seed=0).sample(x, mixes * 2, list(range(8)))) == 8
 
 
 def test_unseeded_uses_global_generator() -> None:
@@ -198,3 +240,15 @@ def test_bad_sampling_params_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ParamError) as e:
         SamplingParams(**{field: value}).validate()
     assert e.value.param == field
+
+
+@pytest.mark.cuda
+def test_seeded_draws_on_cuda_are_the_cpus() -> None:
+    """A seed means the same uniform on every device: on the same logits, CUDA draws what the CPU draws
+    (a flip needs a uniform within float rounding of a CDF step, about 1e-7 per draw)."""
+    x = logits(64, seed=9)
+    mixes = [SamplingParams(temperature=0.9, top_k=8, seed=s) for s in range(32)]
+    mixes += [SamplingParams(temperature=1.2, top_p=0.8, seed=s) for s in range(16)]
+    mixes += [SamplingParams(temperature=0.7, seed=s) for s in range(16)]
+    positions = list(range(64))
+    assert Sampler().sample(x.cuda(), mixes, positions) == Sampler().sample(x, mixes, positions)

@@ -39,6 +39,7 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
     backend = engine.backend
     if ecfg.backend == "torch":
         logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
+        logger.info("attention %s, block size %d (%s)", backend.attention, backend.block_size, backend.kernel_reason)
     logger.info(
         "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
         backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
