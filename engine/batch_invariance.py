@@ -39,13 +39,31 @@ def linear_min_rows(device: torch.device, dtype: torch.dtype) -> int:
     return BF16_MIN_ROWS if device.type == "cpu" and dtype == torch.bfloat16 else 1
 
 
+def prepacked(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's blocked layout where the model's linears run on oneDNN (CPU bf16), else itself.
+    An unpacked weight is reordered into that layout on every call: prepacking once halves a decode step's
+    linears at 1-2 rows (576->3072: 124 -> 56 us; the 576->49152 head 4.3 -> 1.8 ms) and saves 15-30 % at 64
+    rows, on an AMD EPYC with AVX512-BF16. The kernel is the same, so every output is bitwise F.linear's.
+    fp32 stays unpacked: F.linear takes MKL there, and oneDNN's fp32 kernel rounds differently."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
     """F.linear(x, weight) for x [T, K], computed over at least `min_rows` rows (zeros appended), so that
-    the kernel, and with it each row's summation order, is the one a batch of `min_rows` rows gets."""
+    the kernel, and with it each row's summation order, is the one a batch of `min_rows` rows gets.
+    `weight` may be `prepacked`."""
     rows = x.shape[0]
-    if rows >= min_rows:
-        return F.linear(x, weight)
-    return F.linear(F.pad(x, (0, 0, 0, min_rows - rows)), weight)[:rows]
+    if rows < min_rows:
+        return _linear(F.pad(x, (0, 0, 0, min_rows - rows)), weight)[:rows]
+    return _linear(x, weight)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
 
 
 def linear_row_mismatch(
@@ -63,7 +81,7 @@ def linear_row_mismatch(
     rows = sorted(rows)
     checked = sorted({*range(min(PROBE_FIRST_ROWS, rows[-1])), *(m - 1 for m in rows)})
     for k, n in shapes:
-        weight = torch.randn(n, k, generator=g).to(dtype)
+        weight = prepacked(torch.randn(n, k, generator=g).to(dtype))  # the weights as the model runs them
         x = torch.randn(rows[-1], k, generator=g).to(dtype)
         alone = {i: linear(x[i : i + 1], weight, min_rows)[0] for i in checked}
         for m in rows:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KVCache, paged_attention
-from engine.batch_invariance import padded_linear
+from engine.batch_invariance import padded_linear, prepacked
 
 
 @dataclass
@@ -85,6 +85,11 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = _param(d, dtype=dtype, device=device)
         self.w_gate_up = _param(2 * cfg.intermediate_size, d, dtype=dtype, device=device)
         self.w_down = _param(d, cfg.intermediate_size, dtype=dtype, device=device)
+        self.packed: tuple[torch.Tensor, ...] | None = None  # pack_linears(): the weights the forward runs on
+
+    def pack_linears(self) -> None:
+        """Run the linears on weights prepacked for their kernel (engine/batch_invariance.py `prepacked`)."""
+        self.packed = tuple(prepacked(w.detach()) for w in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
 
     def forward(
         self,
@@ -97,17 +102,18 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """min_rows: every linear runs over at least this many rows (LlamaModel.linear_min_rows)."""
         cfg, t = self.cfg, x.shape[0]
+        wqkv, wo, w_gate_up, w_down = self.packed or (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        qkv = padded_linear(h, self.wqkv, min_rows)
+        qkv = padded_linear(h, wqkv, min_rows)
         # q and k heads are adjacent in the fused output: rotate them with one set of ops
         qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k = (qk * cos + rotate_half(qk) * sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = paged_attention(q, k, v, kv_cache, meta)
-        x = x + padded_linear(o.view(t, self.q_size), self.wo, min_rows)
+        x = x + padded_linear(o.view(t, self.q_size), wo, min_rows)
         h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
-        gate, up = padded_linear(h, self.w_gate_up, min_rows).chunk(2, dim=-1)
-        return x + padded_linear(F.silu(gate) * up, self.w_down, min_rows)
+        gate, up = padded_linear(h, w_gate_up, min_rows).chunk(2, dim=-1)
+        return x + padded_linear(F.silu(gate) * up, w_down, min_rows)
 
 
 class LlamaModel(nn.Module):
@@ -128,6 +134,7 @@ class LlamaModel(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
+        self.packed_head: torch.Tensor | None = None
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
         angles = torch.cat((freqs, freqs), dim=-1)
         # [max_pos, 1, head_dim] in the model dtype, broadcast over heads (HF casts cos/sin the same way)
@@ -164,7 +171,15 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, D] for the rows that sample only (a prompt's other rows never reach the vocab matmul,
         the largest one in a small model). Returns float32 [S, V]."""
-        return padded_linear(hidden, self.lm_head, self.linear_min_rows).float()
+        head = self.lm_head if self.packed_head is None else self.packed_head
+        return padded_linear(hidden, head, self.linear_min_rows).float()
+
+    def pack_linears(self) -> None:
+        """Prepack every linear's weight for its kernel, once the weights are loaded: the unpacked
+        parameters stay (the embedding, the model cache and tests read them)."""
+        for layer in self.layers:
+            layer.pack_linears()
+        self.packed_head = prepacked(self.lm_head.detach())
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused layout. The

@@ -95,6 +95,7 @@ class TorchBackend:
         loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache)
         self.model = loaded.model
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
+        self.model.pack_linears()
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
