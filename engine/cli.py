@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from engine.config import ConfigError, EngineConfig
+from engine.openmp import reexec_with_intel_openmp
 
 C = TypeVar("C")
 
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a command line, not a call from Python: the process is ours to re-execute
+        reexec_with_intel_openmp()
     args = build_parser().parse_args(argv)
     return args.func(args)
 

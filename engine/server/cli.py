@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.cli import add_config_flags, config_from_args
 from engine.config import EngineConfig, ServerConfig
+from engine.openmp import reexec_with_intel_openmp
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +55,8 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a command line, not a call from Python: the process is ours to re-execute
+        reexec_with_intel_openmp()
     p = argparse.ArgumentParser(prog="headroom serve", description=__doc__)
     add_serve_args(p)
     return _serve(p, p.parse_args(argv))
