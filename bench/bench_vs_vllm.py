@@ -181,6 +181,16 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        # vLLM's engine core and worker outlive its API server for a while: wait until the whole group is
+        # gone, so the next server starts on an idle machine
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def bench_serve(
