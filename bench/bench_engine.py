@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--prefill-repeats", type=int, default=2)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=300)
+    p.add_argument("--attention", default="auto", help="attention kernel (engine/kernel_choice.py)")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     args = p.parse_args()
 
@@ -102,7 +103,7 @@ def main() -> None:
     block_size = 16
     per_seq = -(-(args.context + args.steps + 2) // block_size)
     num_blocks = max(max(batches) * per_seq, -(-args.prefill_tokens // block_size)) + 8
-    backend = TorchBackend(args.model, dtype=args.dtype, device="cpu", num_blocks=num_blocks, attention="sdpa")
+    backend = TorchBackend(args.model, dtype=args.dtype, device="cpu", num_blocks=num_blocks, attention=args.attention)
     rng = random.Random(0)
     bench_prefill(backend, 128, 1, rng)  # warm-up
     print(f"model {backend.model_name}, dtype {args.dtype}, threads {args.threads}, torch {torch.__version__}")

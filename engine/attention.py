@@ -1,13 +1,17 @@
 """Paged KV cache and attention over it, for a flattened ragged batch (every sequence's new tokens
 concatenated).
 
-Two kernels share one metadata object:
-- `sdpa` (CPU and CUDA): written out in torch as matmul, masked fp32 softmax, matmul, on contiguous
-  operands in one layout for decodes and prefills alike. A token's result then depends only on its query
-  and its own context: masked keys add exact zeros, and each bf16 matmul output is reduced in a fixed
-  order. So a token's output is bitwise the same alone, batched, in a chunked prefill or after a
-  recompute, which greedy batch invariance rests on. `F.scaled_dot_product_attention` on CPU was measured
-  to change a token's low bits with the number of queries computed beside it, so it is not used.
+Four kernels share one metadata object:
+- `cpu` (CPU, the default there): a C++ kernel that reads each token's context from the paged cache in
+  place, in fp32 (engine/cpu_kernels.py, engine/csrc/paged_attention.cpp); batch-invariant by
+  construction.
+- `sdpa` (CPU and CUDA; on CPU, where the C++ kernel cannot be built): written out in torch as matmul,
+  masked fp32 softmax, matmul, on contiguous operands in one layout for decodes and prefills alike. A
+  token's result then depends only on its query and its own context: masked keys add exact zeros, and each
+  bf16 matmul output is reduced in a fixed order. So a token's output is bitwise the same alone, batched,
+  in a chunked prefill or after a recompute, which greedy batch invariance rests on.
+  `F.scaled_dot_product_attention` on CPU was measured to change a token's low bits with the number of
+  queries computed beside it, so it is not used.
 - `flash` (CUDA only): flash-attn's varlen kernel reading the paged cache through `block_table`; it needs
   `block_size % 256 == 0`. Fast, but without the bitwise guarantee.
 - `flash_decode` (CUDA graphs): flash-attn's `flash_attn_with_kvcache` over the same paged cache for a
@@ -24,6 +28,8 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine.cpu_kernels import cpu_paged_attention
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphMetadata
@@ -146,8 +152,12 @@ def check_backend(name: str, block_size: int, device: torch.device) -> None:
     """Raise ValueError when `name` cannot run with this block size on this device."""
     if name == "sdpa":
         return
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU, device is {device.type}")
+        return
     if name != "flash":
-        raise ValueError(f"unknown attention backend {name!r}: use 'sdpa' or 'flash'")
+        raise ValueError(f"unknown attention backend {name!r}: use 'cpu', 'sdpa' or 'flash'")
     if device.type != "cuda":
         raise ValueError("attention backend 'flash' needs a CUDA device; use 'sdpa' on CPU")
     if block_size % FLASH_BLOCK_MULTIPLE:
@@ -185,6 +195,14 @@ class AttentionMetadata:
     @cached_property
     def query_starts(self) -> list[int]:
         return [0, *accumulate(self.query_lens)][:-1]
+
+    @cached_property
+    def token_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the `cpu` kernel, per new token (int32 [T] each): its sequence's row in block_tables, and how
+        many keys it sees (its position + 1)."""
+        seq = [i for i, n in enumerate(self.query_lens) for _ in range(n)]
+        ctx = [c - n + j for n, c in zip(self.query_lens, self.context_lens, strict=True) for j in range(1, n + 1)]
+        return torch.tensor(seq, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
 
     @cached_property
     def decode_plan(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
@@ -264,14 +282,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, hd], k/v [T, KVH, hd] for the new tokens (RoPE applied). Writes k/v into their slots, then
     returns attention output [T, H, hd]: each token attends causally to its sequence's cached context."""
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+    if meta.backend == "cpu":  # writes k/v itself
+        return cpu_paged_attention(q, k, v, kv_cache, meta)
+    _write_kv(k, v, kv_cache, meta)
     if meta.backend == "flash":
         return _flash(q, kv_cache, meta)
     if meta.backend == "flash_decode":
         return _flash_decode(q, kv_cache, meta)
     return _sdpa(q, kv_cache, meta)
+
+
+def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ POLICIES = ("adaptive", "fixed", "seed-static", "vllm")
 ROUTERS = ("headroom", "default")
 BACKENDS = ("torch", "twin")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-ATTENTIONS = ("auto", "sdpa", "flash")
+ATTENTIONS = ("auto", "cpu", "sdpa", "flash")
 
 
 class ConfigError(ValueError):
@@ -86,7 +86,8 @@ class EngineConfig(_Config):
     )
     attention: str = _opt(
         "auto",
-        "attention kernel; auto: flash (flash-attn paged KV) on CUDA with flash_attn, 16-bit dtype; else sdpa",
+        "attention kernel; auto: on CPU, cpu (the C++ paged kernel, built with g++ on first use; sdpa without "
+        "a compiler); on CUDA, flash (flash-attn paged KV) with flash_attn and a 16-bit dtype, else sdpa",
         ATTENTIONS,
     )
     num_blocks: int | None = _opt(None, "KV blocks (default: the backend's choice)")

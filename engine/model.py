@@ -69,6 +69,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+class TorchOps:
+    """The model's elementwise ops in plain torch, for every device and dtype. On the CPU the backend swaps in
+    engine/cpu_kernels.py `CpuKernelOps`, the same ops as one C++ call each."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); residual None: nothing added."""
+        if residual is not None:
+            x = x + residual
+        return rms_norm(x, weight, eps), x
+
+    def rope_state(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What `rope` needs for one step, from the [max_pos, 1, head_dim] tables: made once, read by every
+        layer."""
+        return cos[positions], sin[positions]
+
+    def rope(self, qk: torch.Tensor, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """qk [T, heads, head_dim] rotated (HF's rotate_half convention)."""
+        cos, sin = state
+        return qk * cos + rotate_half(qk) * sin
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 def _param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -94,32 +121,36 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        ops: TorchOps,
         min_rows: int = 1,
-    ) -> torch.Tensor:
-        """min_rows: every linear runs over at least this many rows (LlamaModel.linear_min_rows)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; delta: the previous layer's MLP output, still to be added to it (None for
+        the first layer), so the add runs inside the norm. Returns this layer's (x, delta).
+        min_rows: every linear runs over at least this many rows (LlamaModel.linear_min_rows)."""
         cfg, t = self.cfg, x.shape[0]
         wqkv, wo, w_gate_up, w_down = self.packed or (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        h, x = ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps, delta)
         qkv = padded_linear(h, wqkv, min_rows)
         # q and k heads are adjacent in the fused output: rotate them with one set of ops
         qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        q, k = (qk * cos + rotate_half(qk) * sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        qk = ops.rope(qk, rope)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = paged_attention(q, k, v, kv_cache, meta)
-        x = x + padded_linear(o.view(t, self.q_size), wo, min_rows)
-        h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
-        gate, up = padded_linear(h, w_gate_up, min_rows).chunk(2, dim=-1)
-        return x + padded_linear(F.silu(gate) * up, w_down, min_rows)
+        h, x = ops.rms_norm(padded_linear(o.view(t, self.q_size), wo, min_rows), self.mlp_norm, cfg.rms_norm_eps, x)
+        return x, padded_linear(ops.silu_mul(padded_linear(h, w_gate_up, min_rows)), w_down, min_rows)
 
 
 class LlamaModel(nn.Module):
     # Rows every linear runs over at least (engine/batch_invariance.py): the backend sets it for paths
     # whose kernels otherwise round a row differently when it runs alone.
     linear_min_rows: int = 1
+    # The elementwise ops: plain torch unless the backend sets the C++ kernels (engine/cpu_kernels.py).
+    ops: TorchOps = TorchOps()
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
@@ -157,11 +188,11 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] over all sequences' new tokens. Returns final-norm hidden [T, D]."""
-        x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x, delta = F.embedding(input_ids, self.embed), None
+        rope = self.ops.rope_state(self.rope_cos, self.rope_sin, positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, self.linear_min_rows)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            x, delta = layer(x, delta, rope, kv_cache, meta, self.ops, self.linear_min_rows)
+        return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, delta)[0]
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in_features, out_features) of every distinct linear the model runs, for the kernels' probe."""

@@ -16,6 +16,7 @@ from engine.attention import (
     swap_out_blocks,
 )
 from engine.batch_invariance import linear_min_rows
+from engine.cpu_kernels import CpuKernelOps
 from engine.cuda_graphs import Capture, DecodeGraphMetadata, DecodeGraphs, cuda_graph_capture
 from engine.dtype_choice import choose_dtype
 from engine.kernel_choice import KernelChoice, choose_kernel
@@ -95,6 +96,8 @@ class TorchBackend:
         loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache)
         self.model = loaded.model
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
+        if self.attention == "cpu":  # the C++ kernels built: the elementwise ops run on them too
+            self.model.ops = CpuKernelOps()
         self.model.pack_linears()
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -32,7 +32,7 @@ DEFAULT_FLAGS = ("--dtype", os.environ.get("HEADROOM_TEST_DTYPE", "float32"), "-
 def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every model the suite loads, in this process or in a server it starts, goes through a warm-start cache
     in a temporary directory (engine/loaders/cache.py), never the user's ~/.cache. Set before any load."""
-    from engine.loaders.cache import CACHE_DIR_ENV
+    from engine.cache_dir import CACHE_DIR_ENV
 
     before = os.environ.get(CACHE_DIR_ENV)
     path = tmp_path_factory.mktemp("model_cache")

@@ -21,10 +21,11 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return build_tiny_llama(tmp_path_factory.mktemp("tiny"), tie=request.param)
 
 
+@pytest.mark.parametrize("attention", ["cpu", "sdpa"])  # the C++ kernels, and the model in plain torch
 @torch.inference_mode()
-def test_logits_match_transformers(tiny) -> None:
+def test_logits_match_transformers(tiny, attention: str) -> None:
     reference = LlamaForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
-    backend = TorchBackend(str(tiny.hf_dir), dtype="float32", device="cpu", num_blocks=8, attention="sdpa")
+    backend = TorchBackend(str(tiny.hf_dir), dtype="float32", device="cpu", num_blocks=8, attention=attention)
     model, bs = backend.model, backend.block_size
     ids = backend.tokenizer.encode("The capital of France is Paris. The capital of Italy is", add_special_tokens=True)
     table = [5, 2, 7, 0, 3]  # shuffled blocks, so the paging is exercised

@@ -45,12 +45,12 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: 
     return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
 
 
-def ragged_case(dtype: torch.dtype, seed: int = 0):
+def ragged_case(dtype: torch.dtype, seed: int = 0, hd: int = HD):
     """Sequences as (cached prefix, new tokens): prefills, chunked prefills and decodes of various
     lengths, on shuffled blocks, with the prefixes already in the cache."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    k_cache, v_cache = allocate_kv_cache(ModelConfig(100, H * HD, 64, 1, H, KVH, HD), NUM_BLOCKS, BS, dtype, "cpu")[0]
+    k_cache, v_cache = allocate_kv_cache(ModelConfig(100, H * hd, 64, 1, H, KVH, hd), NUM_BLOCKS, BS, dtype, "cpu")[0]
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     seqs = []
@@ -58,42 +58,48 @@ def ragged_case(dtype: torch.dtype, seed: int = 0):
     for prefix, new in [(0, 13), (20, 9), (0, 1), (16, 1), (39, 1), (47, 17), (70, 1), (5, 300)]:
         ctx = prefix + new
         table = [free.pop() for _ in range(-(-ctx // BS))]
-        k, v = (torch.randn(ctx, KVH, HD, generator=g).to(dtype) for _ in range(2))
-        q = torch.randn(new, H, HD, generator=g).to(dtype)
+        k, v = (torch.randn(ctx, KVH, hd, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(new, H, hd, generator=g).to(dtype)
         for p in range(prefix):
             k_cache[table[p // BS], p % BS], v_cache[table[p // BS], p % BS] = k[p], v[p]
         seqs.append((prefix, new, table, q, k, v))
     return (k_cache, v_cache), seqs
 
 
-def run_batch(kv, seqs) -> list[torch.Tensor]:
-    meta = build_attention_metadata([(prefix, new, table) for prefix, new, table, *_ in seqs], BS, "cpu")
+def run_batch(kv, seqs, backend: str = "sdpa") -> list[torch.Tensor]:
+    meta = build_attention_metadata([(prefix, new, table) for prefix, new, table, *_ in seqs], BS, "cpu", backend)
     q = torch.cat([s[3] for s in seqs])
     k = torch.cat([s[4][s[0] : s[0] + s[1]] for s in seqs])
     v = torch.cat([s[5][s[0] : s[0] + s[1]] for s in seqs])
     return list(paged_attention(q, k, v, kv, meta).split([s[1] for s in seqs]))
 
 
-def test_paged_sdpa_matches_dense_reference() -> None:
-    kv, seqs = ragged_case(torch.float32)
-    for out, (prefix, new, table, q, k, v) in zip(run_batch(kv, seqs), seqs, strict=True):
+# the C++ kernel with head_dim 16 (its generic path), 64 and 128 (its unrolled ones); the torch kernel
+CPU_KERNELS = [("cpu", 16), ("cpu", 64), ("cpu", 128), ("sdpa", HD)]
+
+
+@pytest.mark.parametrize(("backend", "hd"), CPU_KERNELS)
+def test_paged_attention_matches_dense_reference(backend: str, hd: int) -> None:
+    kv, seqs = ragged_case(torch.float32, hd=hd)
+    for out, (prefix, new, table, q, k, v) in zip(run_batch(kv, seqs, backend), seqs, strict=True):
         torch.testing.assert_close(out.double(), dense_reference(q, k, v, new), atol=1e-5, rtol=1e-5)
         # the new tokens' K/V landed in their slots
         p = prefix + new - 1
         assert torch.equal(kv[0][table[p // BS], p % BS], k[p])
 
 
-def test_paged_sdpa_is_batch_invariant_bitwise() -> None:
+@pytest.mark.parametrize(("backend", "hd"), CPU_KERNELS)
+def test_paged_attention_is_batch_invariant_bitwise(backend: str, hd: int) -> None:
     """bf16: a token's attention output is bitwise the same computed with the whole ragged batch, alone,
     and one token at a time as decodes (what chunked prefill and recompute after preemption rely on)."""
-    kv, seqs = ragged_case(torch.bfloat16, seed=1)
-    batched = run_batch(kv, seqs)
+    kv, seqs = ragged_case(torch.bfloat16, seed=1, hd=hd)
+    batched = run_batch(kv, seqs, backend)
     for out, seq in zip(batched, seqs, strict=True):
-        assert torch.equal(out, run_batch(kv, [seq])[0])
+        assert torch.equal(out, run_batch(kv, [seq], backend)[0])
         prefix, new, table, q, k, v = seq
         for j in range(new):
             one = (prefix + j, 1, table, q[j : j + 1], k, v)
-            assert torch.equal(out[j], run_batch(kv, [one])[0][0])
+            assert torch.equal(out[j], run_batch(kv, [one], backend)[0][0])
 
 
 def test_flash_needs_cuda_and_block_multiple() -> None:
@@ -185,9 +191,9 @@ def generate(
     return [s.output_ids for s in seqs]
 
 
-@pytest.fixture(scope="module")
-def tiny_backend(tiny) -> TorchBackend:
-    return TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=128, attention="sdpa")
+@pytest.fixture(scope="module", params=["cpu", "sdpa"])  # the C++ kernels (the default), and plain torch
+def tiny_backend(tiny, request: pytest.FixtureRequest) -> TorchBackend:
+    return TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=128, attention=request.param)
 
 
 def tiny_prompts(backend: TorchBackend) -> list[list[int]]:
@@ -272,7 +278,7 @@ def run_engine(backend: TorchBackend, prompts: list[list[int]], params: Sampling
 def test_penalties_and_logprobs_survive_batching_and_preemption(tiny) -> None:
     """A penalized, seeded request with logprobs gives the same tokens and one logprob entry per token alone
     and batched in a pool so small that it is preempted and recomputed."""
-    backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7, attention="sdpa")
+    backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7)
     prompts = tiny_prompts(backend)[:4]
     params = SamplingParams(
         max_tokens=16,
@@ -307,7 +313,7 @@ def test_preemption_by_swap_on_the_torch_backend_matches_alone(tiny) -> None:
     """The torch swap path (engine/attention.py swap_out_blocks / swap_in_blocks), forced on for the CPU (it
     is on for CUDA only): a pool so small that requests are preempted gives the tokens of the lone runs,
     with every preempted sequence swapped back in and none of its tokens recomputed."""
-    backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7, attention="sdpa")
+    backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7)
     assert not backend.can_swap
     prompts = tiny_prompts(backend)[:4]
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)

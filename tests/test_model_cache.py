@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from engine import loaders
+from engine.cache_dir import CACHE_DIR_ENV
 from engine.config import EngineConfig
 from engine.loaders import LoadedModel, load
-from engine.loaders.cache import CACHE_DIR_ENV, MANIFEST, TOKENIZER, WEIGHTS, ModelCache
+from engine.loaders.cache import MANIFEST, TOKENIZER, WEIGHTS, ModelCache
 from engine.torch_backend import TorchBackend
 from tests.conftest import default_model_installed
 from tests.fixtures_llama import build_tiny_llama

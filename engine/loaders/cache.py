@@ -32,22 +32,15 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.cache_dir import default_cache_dir
 from engine.model import ModelConfig
 from engine.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1  # bump when the prepared layout or an entry's files change
-CACHE_DIR_ENV = "HEADROOM_CACHE_DIR"
 WEIGHTS, TOKENIZER, MANIFEST = "model.safetensors", "tokenizer.json", "manifest.json"
 
 logger = logging.getLogger("headroom.model_cache")
 M = TypeVar("M")
-
-
-def default_cache_dir() -> Path:
-    """$HEADROOM_CACHE_DIR, else headroom/ under $XDG_CACHE_HOME (default ~/.cache)."""
-    if root := os.environ.get(CACHE_DIR_ENV):
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headroom"
 
 
 def source_stamp(source: Path) -> list[tuple[str, int, int]]:

@@ -1,0 +1,215 @@
+// Paged attention on the CPU for a flattened ragged batch, reading K and V from the paged cache in place.
+//
+// Why a kernel of our own: written in torch, attention has to gather every sequence's blocks into
+// contiguous copies padded to the batch's longest context and run many tiny matmuls on them; on a small
+// CPU that was a quarter of a batch-1 decode step and half of a batch-64 one. Here each (token, KV head)
+// is one work item that walks its own context, so nothing is copied, padded or masked.
+//
+// Batch invariance by construction: a token's result is computed by the same code over the same keys in
+// the same order whatever else the step holds (decodes, prefills, chunks, other sequences), and no
+// reduction depends on memory addresses or thread counts: dot products accumulate in 16 fixed lanes summed
+// in a fixed tree, softmax and the value sum run over keys in order. Scores, softmax and the weighted sum
+// of values are all in fp32; the output is rounded to the model dtype once.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace headroom;
+
+// Softmax of s[0..n) in place; returns the sum of the exponentials (the caller divides once at the end).
+inline float softmax_unnormalized(float* s, int n) {
+    float top = s[0];  // the maximum is exact in any order: 16 lanes, then the rest
+    const int whole = n - n % LANES;
+    if (whole) {
+        f32x16 high = load16(s);
+        for (int j = LANES; j < whole; j += LANES) {
+            const f32x16 x = load16(s + j);
+            high = x > high ? x : high;
+        }
+        for (int l = 0; l < LANES; ++l) top = std::max(top, high[l]);
+    }
+    for (int j = whole; j < n; ++j) top = std::max(top, s[j]);
+    f32x16 lanes = {};
+    for (int j = 0; j < whole; j += LANES) {
+        const f32x16 e = exp_approx(load16(s + j) - top);
+        store16(s + j, e);
+        lanes += e;
+    }
+    for (int j = whole; j < n; ++j) s[j] = exp_approx(s[j] - top);
+    float sum = sum16(lanes);
+    for (int j = whole; j < n; ++j) sum += s[j];
+    return sum;
+}
+
+template <typename T>
+void write_kv(const T* k, const T* v, int64_t k_row, int64_t v_row, const int64_t* slots, int64_t tokens,
+              int kv_heads, int head_dim, T* k_cache, T* v_cache) {
+    const int64_t width = int64_t(kv_heads) * head_dim;
+    for (int64_t t = 0; t < tokens; ++t) {
+        std::memcpy(k_cache + slots[t] * width, k + t * k_row, width * sizeof(T));
+        std::memcpy(v_cache + slots[t] * width, v + t * v_row, width * sizeof(T));
+    }
+}
+
+constexpr int TILE_TOKENS = 16;  // a prefill's consecutive tokens attended together: each K and V block is
+                                 // converted once for all of them
+
+struct Tile {
+    int64_t first;  // first token in the flat batch
+    int tokens;     // consecutive tokens of one sequence, each seeing one key more than the one before
+};
+
+// One work item: the `group` query heads that share KV head g, of a tile's tokens, over the keys of the
+// sequence's block table. For each (query row, key) the arithmetic is the same whatever the tile holds:
+// the score is one dot product (16 lanes, then sum16); each row's softmax runs over its own keys; each
+// output lane adds p * v over the keys in order. head_dim % LANES == 0 (the caller checks).
+template <typename T, int CHUNKS>  // CHUNKS: head_dim / LANES where known at compile time, else 0
+void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* table,
+                 const int32_t* ctx, int tokens, int g, int group, int kv_heads, int head_dim, int block_size,
+                 float scale, T* out, int64_t out_row, std::vector<f32x16>& qv, std::vector<f32x16>& acc,
+                 std::vector<f32x16>& block, std::vector<float>& scores) {
+    constexpr int MAX_CHUNKS = 16;  // head_dim <= 256
+    const int chunks = CHUNKS ? CHUNKS : head_dim / LANES, rows = tokens * group;
+    const int keys = ctx[tokens - 1];  // the tile's last token sees the most
+    const int64_t key_stride = int64_t(kv_heads) * head_dim;  // between consecutive keys of a block
+    qv.resize(size_t(rows) * chunks);
+    acc.assign(size_t(rows) * chunks, f32x16{});
+    block.resize(size_t(block_size) * chunks);
+    scores.resize(size_t(rows) * keys);
+    for (int i = 0; i < tokens; ++i)
+        for (int r = 0; r < group; ++r)
+            for (int c = 0; c < chunks; ++c)
+                qv[(i * group + r) * chunks + c] = load16(q + i * q_row + (g * group + r) * head_dim + c * LANES);
+    auto load_block = [&](const T* cache, int first, int n) {
+        const T* p = cache + (int64_t(table[first / block_size]) * block_size * kv_heads + g) * head_dim;
+        for (int j = 0; j < n; ++j, p += key_stride)
+            for (int c = 0; c < chunks; ++c) block[j * chunks + c] = load16(p + c * LANES);
+    };
+    for (int first = 0; first < keys; first += block_size) {
+        load_block(k_cache, first, std::min(block_size, keys - first));
+        for (int row = 0; row < rows; ++row) {
+            const int n = std::min(block_size, ctx[row / group] - first);
+            const f32x16* qr = &qv[size_t(row) * chunks];
+            float* s = &scores[size_t(row) * keys + first];
+            int j = 0;
+            for (; j + 4 <= n; j += 4) {  // four keys at a time: independent FMA chains, the same sums
+                f32x16 p0 = {}, p1 = {}, p2 = {}, p3 = {};
+                for (int c = 0; c < chunks; ++c) {
+                    p0 += qr[c] * block[j * chunks + c];
+                    p1 += qr[c] * block[(j + 1) * chunks + c];
+                    p2 += qr[c] * block[(j + 2) * chunks + c];
+                    p3 += qr[c] * block[(j + 3) * chunks + c];
+                }
+                s[j] = sum16(p0) * scale;
+                s[j + 1] = sum16(p1) * scale;
+                s[j + 2] = sum16(p2) * scale;
+                s[j + 3] = sum16(p3) * scale;
+            }
+            for (; j < n; ++j) {
+                f32x16 products = {};
+                for (int c = 0; c < chunks; ++c) products += qr[c] * block[j * chunks + c];
+                s[j] = sum16(products) * scale;
+            }
+        }
+    }
+    float total[TILE_TOKENS * 64];
+    for (int row = 0; row < rows; ++row) total[row] = softmax_unnormalized(&scores[size_t(row) * keys], ctx[row / group]);
+    for (int first = 0; first < keys; first += block_size) {
+        load_block(v_cache, first, std::min(block_size, keys - first));
+        for (int row = 0; row < rows; ++row) {
+            const int n = std::min(block_size, ctx[row / group] - first);
+            const float* p = &scores[size_t(row) * keys + first];
+            f32x16 a[MAX_CHUNKS];  // in registers when CHUNKS is known: one FMA chain per chunk, interleaved
+            for (int c = 0; c < chunks; ++c) a[c] = acc[size_t(row) * chunks + c];
+            for (int j = 0; j < n; ++j)
+                for (int c = 0; c < chunks; ++c) a[c] += p[j] * block[j * chunks + c];
+            for (int c = 0; c < chunks; ++c) acc[size_t(row) * chunks + c] = a[c];
+        }
+    }
+    for (int row = 0; row < rows; ++row) {
+        const float inv = 1.0f / total[row];
+        T* o = out + (row / group) * out_row + (g * group + row % group) * head_dim;
+        for (int c = 0; c < chunks; ++c) store16(o + c * LANES, acc[size_t(row) * chunks + c] * inv);
+    }
+}
+
+template <typename T, int CHUNKS>
+void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* tables,
+            int64_t table_row, const int32_t* token_seq, const int32_t* token_ctx, int64_t tokens, int heads,
+            int kv_heads, int head_dim, int block_size, float scale, T* out, int threads) {
+    std::vector<Tile> tiles;
+    for (int64_t t = 0; t < tokens; ++t) {
+        Tile* last = tiles.empty() ? nullptr : &tiles.back();
+        if (last && last->tokens < TILE_TOKENS && token_seq[t] == token_seq[last->first] &&
+            token_ctx[t] == token_ctx[t - 1] + 1)
+            ++last->tokens;
+        else
+            tiles.push_back({t, 1});
+    }
+    const int group = heads / kv_heads;
+    const int64_t items = int64_t(tiles.size()) * kv_heads;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<f32x16> qv, acc, block;
+        std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; ++item) {
+            const Tile& tile = tiles[item / kv_heads];
+            attend_tile<T, CHUNKS>(q + tile.first * q_row, q_row, k_cache, v_cache, tables + int64_t(token_seq[tile.first]) * table_row,
+                        token_ctx + tile.first, tile.tokens, int(item % kv_heads), group, kv_heads, head_dim,
+                        block_size, scale, out + tile.first * heads * head_dim, int64_t(heads) * head_dim, qv, acc,
+                        block, scores);
+        }
+    }
+}
+
+template <typename T>
+void run(const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v, int64_t v_row,
+         const int64_t* slots, void* k_cache, void* v_cache, const int32_t* tables, int64_t table_row,
+         const int32_t* token_seq, const int32_t* token_ctx, int64_t tokens, int heads, int kv_heads,
+         int head_dim, int block_size, float scale, void* out, int threads) {
+    write_kv(static_cast<const T*>(k), static_cast<const T*>(v), k_row, v_row, slots, tokens, kv_heads, head_dim,
+             static_cast<T*>(k_cache), static_cast<T*>(v_cache));
+    auto go = [&](auto chunks) {
+        attend<T, decltype(chunks)::value>(static_cast<const T*>(q), q_row, static_cast<const T*>(k_cache),
+                                           static_cast<const T*>(v_cache), tables, table_row, token_seq, token_ctx,
+                                           tokens, heads, kv_heads, head_dim, block_size, scale, static_cast<T*>(out),
+                                           threads);
+    };
+    if (head_dim == 64)
+        go(std::integral_constant<int, 4>{});
+    else if (head_dim == 128)
+        go(std::integral_constant<int, 8>{});
+    else
+        go(std::integral_constant<int, 0>{});
+}
+
+}  // namespace
+
+extern "C" {
+
+// Write the step's new K and V into their cache slots, then attend: q [tokens, heads, head_dim] with row
+// stride q_row (elements), k and v [tokens, kv_heads, head_dim] with row strides k_row and v_row, heads
+// contiguous within a row, head_dim a multiple of 16 and at most 64 query heads per KV head (the caller
+// checks both). Token t belongs to block-table row token_seq[t] and sees the first
+// token_ctx[t] keys of it. out: [tokens, heads, head_dim], contiguous. bf16: 2-byte elements, else fp32.
+void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
+                              int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
+                              const int32_t* tables, int64_t table_row, const int32_t* token_seq,
+                              const int32_t* token_ctx, int64_t tokens, int heads, int kv_heads, int head_dim,
+                              int block_size, float scale, void* out, int threads) {
+    if (bf16)
+        run<uint16_t>(q, q_row, k, k_row, v, v_row, slots, k_cache, v_cache, tables, table_row, token_seq,
+                      token_ctx, tokens, heads, kv_heads, head_dim, block_size, scale, out, threads);
+    else
+        run<float>(q, q_row, k, k_row, v, v_row, slots, k_cache, v_cache, tables, table_row, token_seq, token_ctx,
+                   tokens, heads, kv_heads, head_dim, block_size, scale, out, threads);
+}
+
+}  // extern "C"

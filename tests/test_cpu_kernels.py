@@ -1,0 +1,110 @@
+"""The C++ CPU kernels (engine/cpu_kernels.py): the elementwise ops against the model's plain-torch ones,
+each row computed the same alone and in a batch, the build cached per machine, and the fallback to plain
+torch where nothing can be built. Paged attention itself is checked in tests/test_model.py against a dense
+reference and for bitwise batch invariance, and end to end in tests/test_hf_reference.py."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.cpu_kernels import CpuKernelOps, build
+from engine.kernel_choice import choose_kernel
+from engine.model import TorchOps
+
+CPU = torch.device("cpu")
+DIM, HEADS, HEAD_DIM, ROWS = 576, 12, 64, 37
+# bf16 results: torch rounds between ops, the kernels once at the end; they may differ by a rounding step
+TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+@pytest.fixture(autouse=True)
+def kernels_built() -> None:
+    if cpu_kernels.load_library().library is None:
+        pytest.skip(f"the CPU kernels did not build here: {cpu_kernels.load_library().reason}")
+
+
+def case(dtype: torch.dtype, rows: int = ROWS) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    angles = torch.rand(256, 1, HEAD_DIM, generator=g) * 6
+    return {
+        "x": torch.randn(rows, DIM, generator=g).to(dtype),
+        "residual": torch.randn(rows, DIM, generator=g).to(dtype),
+        "weight": (1 + torch.randn(DIM, generator=g) / 4).to(dtype),
+        "qk": torch.randn(rows, HEADS + 2, HEAD_DIM, generator=g).to(dtype),  # a view with a wider row, below
+        "cos": angles.cos().to(dtype),
+        "sin": angles.sin().to(dtype),
+        "positions": torch.randint(0, 256, (rows,), generator=g),
+        "gate_up": (torch.randn(rows, 2 * 1536, generator=g) * 4).to(dtype),
+    }
+
+
+def run_ops(ops: TorchOps | CpuKernelOps, c: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    normed, total = ops.rms_norm(c["x"], c["weight"], 1e-5, c["residual"])
+    plain, same = ops.rms_norm(c["x"], c["weight"], 1e-5)
+    qk = c["qk"].clone()[:, :HEADS]  # rows HEADS + 2 heads apart, as the model's fused projection leaves them
+    rotated = ops.rope(qk, ops.rope_state(c["cos"], c["sin"], c["positions"]))
+    assert same is c["x"] or torch.equal(same, c["x"])
+    return [normed, total, plain, rotated, ops.silu_mul(c["gate_up"])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_ops_match_the_torch_ops(dtype: torch.dtype) -> None:
+    c = case(dtype)
+    names = ["rms_norm with residual", "residual sum", "rms_norm", "rope", "silu_mul"]
+    for name, ours, theirs in zip(names, run_ops(CpuKernelOps(), c), run_ops(TorchOps(), c), strict=True):
+        assert ours.dtype == dtype and ours.shape == theirs.shape, name
+        torch.testing.assert_close(ours, theirs, **TOLERANCE[dtype], msg=name)
+    # the residual sum is one bf16 add either way: exactly torch's
+    torch.testing.assert_close(run_ops(CpuKernelOps(), c)[1], c["x"] + c["residual"], atol=0, rtol=0)
+
+
+def test_each_row_is_the_same_alone_and_in_a_batch() -> None:
+    c = case(torch.bfloat16)
+    batched = run_ops(CpuKernelOps(), c)
+    for row in (0, 5, ROWS - 1):
+        alone = run_ops(CpuKernelOps(), {k: v[row : row + 1] if v.shape[0] == ROWS else v for k, v in c.items()})
+        for ours, one in zip(batched, alone, strict=True):
+            assert torch.equal(ours[row : row + 1], one)
+
+
+def test_the_build_is_cached_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiles = []
+    real_run = subprocess.run
+
+    def counting_run(cmd, *args, **kwargs):
+        if "-o" in cmd:
+            compiles.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", counting_run)
+    first, second = build(tmp_path), build(tmp_path)
+    assert first.library is not None and second.library is not None, first.reason
+    assert len(compiles) == 1
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : another cpu")
+    assert build(tmp_path).library is not None and len(compiles) == 2
+
+
+def test_without_a_compiler_the_backend_says_why_and_runs_plain_torch(tmp_path, monkeypatch) -> None:
+    missing = build(tmp_path, compiler="no-such-compiler-here")
+    assert missing.library is None and "no C++ compiler" in missing.reason
+    broken = build(tmp_path, compiler="false")  # a "compiler" that fails
+    assert broken.library is None and "failed" in broken.reason
+    monkeypatch.setattr(cpu_kernels, "load_library", lambda: missing)
+    choice = choose_kernel("auto", None, CPU, torch.bfloat16)
+    assert (choice.attention, choice.block_size) == ("sdpa", 16) and "no C++ compiler" in choice.reason
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        choose_kernel("cpu", None, CPU, torch.bfloat16)
+
+
+def test_auto_takes_the_cpu_kernels_on_the_cpu_in_bf16_and_fp32_only() -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        assert choose_kernel("auto", None, CPU, dtype).attention == "cpu"
+    half = choose_kernel("auto", None, CPU, torch.float16)
+    assert half.attention == "sdpa" and "float16" in half.reason
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        choose_kernel("cpu", None, torch.device("cuda"), torch.bfloat16)
