@@ -2,8 +2,9 @@
 with it?
 
 Greedy outputs are bitwise the same alone and batched only if every op computes a token's row the same
-way whatever the batch holds. Attention (engine/attention.py) is written for that; the linears run on
-vendor kernels that promise nothing of the kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
+way whatever the batch holds. Attention and the elementwise ops are written for that (engine/cpu_kernels.py
+and, in plain torch, engine/attention.py); the linears run on vendor kernels that promise nothing of the
+kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
 (bench/results/batch_invariance.md):
 - bf16 (oneDNN): a row computed alone (1 row) can differ from the same row in a batch of 2 or more for
   K=1536 (the MLP down projection; in the real model, 252 of 2730 single-row calls). Padding every input

@@ -115,6 +115,13 @@ def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return load_library().reason if load_library().library is None else None
 
 
+def head_dim_unsupported(head_dim: int) -> str | None:
+    """None when the attention kernel takes this head size (whole 16-float vectors, at most 16 of them)."""
+    if head_dim % 16 or head_dim > 256:
+        return f"the CPU paged kernel needs a head size that is a multiple of 16 up to 256, the model's is {head_dim}"
+    return None
+
+
 def _lib() -> ctypes.CDLL:
     library = load_library().library
     assert library is not None, "a CPU kernel was called where the kernels did not build"

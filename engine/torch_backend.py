@@ -16,7 +16,7 @@ from engine.attention import (
     swap_out_blocks,
 )
 from engine.batch_invariance import linear_min_rows
-from engine.cpu_kernels import CpuKernelOps
+from engine.cpu_kernels import CpuKernelOps, head_dim_unsupported
 from engine.cuda_graphs import Capture, DecodeGraphMetadata, DecodeGraphs, cuda_graph_capture
 from engine.dtype_choice import choose_dtype
 from engine.kernel_choice import KernelChoice, choose_kernel
@@ -82,8 +82,9 @@ class TorchBackend:
         and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
         weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
         `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws.
-        `attention` and `block_size` None: engine/kernel_choice.py (flash-attn with 256-token blocks where
-        it runs, else sdpa with 16); `kernel_reason` says why. Decode-only steps replay CUDA graphs
+        `attention` and `block_size` None: engine/kernel_choice.py (on the CPU, the C++ kernels of
+        engine/cpu_kernels.py, which then run the norms, RoPE and SiLU too; flash-attn with 256-token blocks
+        where it runs; else sdpa, plain torch, with 16); `kernel_reason` says why. Decode-only steps replay CUDA graphs
         (engine/cuda_graphs.py) on CUDA with the flash kernel, unless `enforce_eager`. `model_cache`: load
         through the warm-start cache (engine/loaders/cache.py)."""
         self.device = resolve_device(device)
@@ -96,6 +97,10 @@ class TorchBackend:
         loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache)
         self.model = loaded.model
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
+        if self.attention == "cpu" and (why := head_dim_unsupported(loaded.config.head_dim)):
+            if attention == "cpu":
+                raise ValueError(f"attention backend 'cpu' cannot run this model: {why}")
+            self.attention, self.kernel_reason = "sdpa", f"auto: sdpa ({why})"  # same block size
         if self.attention == "cpu":  # the C++ kernels built: the elementwise ops run on them too
             self.model.ops = CpuKernelOps()
         self.model.pack_linears()

@@ -13,7 +13,9 @@ import torch
 from engine import cpu_kernels
 from engine.cpu_kernels import CpuKernelOps, build
 from engine.kernel_choice import choose_kernel
-from engine.model import TorchOps
+from engine.loaders.random_model import random_llama
+from engine.model import ModelConfig, TorchOps
+from engine.torch_backend import TorchBackend
 
 CPU = torch.device("cpu")
 DIM, HEADS, HEAD_DIM, ROWS = 576, 12, 64, 37
@@ -108,3 +110,14 @@ def test_auto_takes_the_cpu_kernels_on_the_cpu_in_bf16_and_fp32_only() -> None:
     assert half.attention == "sdpa" and "float16" in half.reason
     with pytest.raises(ValueError, match="runs on the CPU"):
         choose_kernel("cpu", None, torch.device("cuda"), torch.bfloat16)
+
+
+def test_a_head_size_the_kernel_cannot_take_runs_on_sdpa() -> None:
+    cfg = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=24, max_position_embeddings=64)  # fmt: skip
+    loaded = random_llama(cfg, torch.float32, "cpu")
+    backend = TorchBackend(loaded, dtype="float32", device="cpu", num_blocks=4)
+    assert backend.attention == "sdpa" and "multiple of 16" in backend.kernel_reason
+    assert isinstance(backend.model.ops, TorchOps)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TorchBackend(loaded, dtype="float32", device="cpu", num_blocks=4, attention="cpu")

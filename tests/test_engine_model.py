@@ -3,8 +3,9 @@ a single greedy token, and every KV block comes back.
 
 Comparing greedy tokens bitwise is only sound where every kernel computes a token's row the same way
 whatever else is in the batch: otherwise a near-tie flips (on bf16 oneDNN without padding, "Write a haiku
-about the sea." starts with token 2 batched and 198 alone). Attention is written to be batch-invariant on
-every CPU path (engine/attention.py); the linears are probed on this CPU (engine/batch_invariance.py), and
+about the sea." starts with token 2 batched and 198 alone). Attention and the elementwise ops are
+batch-invariant by construction on every CPU path (engine/cpu_kernels.py, engine/attention.py); the linears
+are probed on this CPU (engine/batch_invariance.py), and
 the comparison runs in the first dtype whose linears pass: the default (`auto`), else bf16 (on CPUs
 without bf16 instructions `auto` is fp32, whose MKL kernels round rows by batch size, while torch's own
 bf16 kernel keeps rows apart). Where neither passes the tests skip and say what the probe found.

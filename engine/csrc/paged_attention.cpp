@@ -73,7 +73,7 @@ template <typename T, int CHUNKS>  // CHUNKS: head_dim / LANES where known at co
 void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* table,
                  const int32_t* ctx, int tokens, int g, int group, int kv_heads, int head_dim, int block_size,
                  float scale, T* out, int64_t out_row, std::vector<f32x16>& qv, std::vector<f32x16>& acc,
-                 std::vector<f32x16>& block, std::vector<float>& scores) {
+                 std::vector<f32x16>& block, std::vector<float>& scores, std::vector<float>& total) {
     constexpr int MAX_CHUNKS = 16;  // head_dim <= 256
     const int chunks = CHUNKS ? CHUNKS : head_dim / LANES, rows = tokens * group;
     const int keys = ctx[tokens - 1];  // the tile's last token sees the most
@@ -82,6 +82,7 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
     acc.assign(size_t(rows) * chunks, f32x16{});
     block.resize(size_t(block_size) * chunks);
     scores.resize(size_t(rows) * keys);
+    total.resize(rows);
     for (int i = 0; i < tokens; ++i)
         for (int r = 0; r < group; ++r)
             for (int c = 0; c < chunks; ++c)
@@ -118,7 +119,6 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
             }
         }
     }
-    float total[TILE_TOKENS * 64];
     for (int row = 0; row < rows; ++row) total[row] = softmax_unnormalized(&scores[size_t(row) * keys], ctx[row / group]);
     for (int first = 0; first < keys; first += block_size) {
         load_block(v_cache, first, std::min(block_size, keys - first));
@@ -157,14 +157,14 @@ void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const
 #pragma omp parallel num_threads(threads)
     {
         std::vector<f32x16> qv, acc, block;
-        std::vector<float> scores;
+        std::vector<float> scores, total;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
             const Tile& tile = tiles[item / kv_heads];
             attend_tile<T, CHUNKS>(q + tile.first * q_row, q_row, k_cache, v_cache, tables + int64_t(token_seq[tile.first]) * table_row,
                         token_ctx + tile.first, tile.tokens, int(item % kv_heads), group, kv_heads, head_dim,
                         block_size, scale, out + tile.first * heads * head_dim, int64_t(heads) * head_dim, qv, acc,
-                        block, scores);
+                        block, scores, total);
         }
     }
 }
@@ -196,8 +196,7 @@ extern "C" {
 
 // Write the step's new K and V into their cache slots, then attend: q [tokens, heads, head_dim] with row
 // stride q_row (elements), k and v [tokens, kv_heads, head_dim] with row strides k_row and v_row, heads
-// contiguous within a row, head_dim a multiple of 16 and at most 64 query heads per KV head (the caller
-// checks both). Token t belongs to block-table row token_seq[t] and sees the first
+// contiguous within a row, head_dim a multiple of 16 and at most 256 (the caller checks). Token t belongs to block-table row token_seq[t] and sees the first
 // token_ctx[t] keys of it. out: [tokens, heads, head_dim], contiguous. bf16: 2-byte elements, else fp32.
 void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
                               int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
