@@ -1,4 +1,5 @@
-"""Headroom's CPU kernels (engine/csrc/): paged attention, RMSNorm with its residual add, RoPE and SiLU-mul.
+"""Headroom's CPU kernels (engine/csrc/): paged attention, RMSNorm with its residual add, RoPE, SiLU-mul, and
+the sampler's plain inverse-CDF draw.
 
 Why compile at run time: the kernels are built with `-march=native`, so they use the vector units of the CPU
 they run on (AVX-512, AVX2, NEON) and the wheel ships no binary per CPU. The sources are plain C++ with no
@@ -34,7 +35,9 @@ from engine.cache_dir import default_cache_dir
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata, KVCache
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "elementwise.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp")
+)
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = (torch.bfloat16, torch.float32)
@@ -49,6 +52,7 @@ SIGNATURES = {
     "headroom_rms_norm": [_i32, _p, _p, _p, _p, _p, _i64, _i32, _f32, _i32],
     "headroom_rope": [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p, _i32],
     "headroom_silu_mul": [_i32, _p, _p, _i64, _i32, _i32],
+    "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
 }  # fmt: skip
 
 
@@ -191,3 +195,13 @@ class CpuKernelOps:
             gate_up.dtype == torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads()
         )
         return out
+
+
+def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """engine/sampler.py `draw_plain` (inverse CDF of the whole row's softmax) as one kernel call."""
+    x, u = x.float().contiguous(), u.float().contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().headroom_sample_plain(
+        x.data_ptr(), x.shape[0], x.shape[1], u.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    )
+    return out

@@ -20,7 +20,7 @@ Penalties and logprobs touch only the rows that ask for them: a batch without th
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -155,10 +155,19 @@ def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return invert_cdf(torch.softmax(x, dim=-1), None, u)
 
 
+PlainDraw = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def draw_by_path(
-    x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, us: torch.Tensor, params: Sequence[SamplingParams]
+    x: torch.Tensor,
+    ks: torch.Tensor,
+    ps: torch.Tensor,
+    us: torch.Tensor,
+    params: Sequence[SamplingParams],
+    plain: PlainDraw = draw_plain,
 ) -> torch.Tensor:
-    """Token ids for rows already ordered by path (`_path` of params[r]), each path on its own slice."""
+    """Token ids for rows already ordered by path (`_path` of params[r]), each path on its own slice.
+    `plain` draws the rows with neither filter (on the CPU, engine/cpu_kernels.py's kernel)."""
     paths = [_path(p) for p in params]
     picks = []
     for path in (TOP_K, TOP_P, PLAIN):
@@ -170,12 +179,13 @@ def draw_by_path(
         elif path == TOP_P:
             picks.append(draw_top_p(x[a:b], ps[a:b], us[a:b]))
         else:
-            picks.append(draw_plain(x[a:b], us[a:b]))
+            picks.append(plain(x[a:b], us[a:b]))
     return torch.cat(picks)
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, plain: PlainDraw = draw_plain) -> None:
+        self._plain = plain
         self._generator = torch.Generator()  # for unseeded requests
         if seed is None:
             self._generator.seed()
@@ -205,7 +215,9 @@ class Sampler:
             rows = table[:, 0].long()
             x = logits.index_select(0, rows) / table[:, 1:2].float()
             out.index_copy_(
-                0, rows, draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen)
+                0,
+                rows,
+                draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen, self._plain),
             )
         return out.tolist()
 

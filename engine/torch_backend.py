@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention import (
     allocate_kv_cache,
     build_attention_metadata,
@@ -119,7 +120,7 @@ class TorchBackend:
             idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
             probe = make_probe(device_name, capacity, idle_bytes=idle)
         self.probe = probe
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, cpu_kernels.draw_plain) if self.attention == "cpu" else Sampler(seed)
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
         self.block_bytes = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
         graphs_run = self.device.type == "cuda" and self.attention == "flash" and not enforce_eager

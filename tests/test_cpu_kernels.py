@@ -15,6 +15,7 @@ from engine.cpu_kernels import CpuKernelOps, build
 from engine.kernel_choice import choose_kernel
 from engine.loaders.random_model import random_llama
 from engine.model import ModelConfig, TorchOps
+from engine.sampler import draw_plain
 from engine.torch_backend import TorchBackend
 
 CPU = torch.device("cpu")
@@ -121,3 +122,17 @@ def test_a_head_size_the_kernel_cannot_take_runs_on_sdpa() -> None:
     assert isinstance(backend.model.ops, TorchOps)
     with pytest.raises(ValueError, match="multiple of 16"):
         TorchBackend(loaded, dtype="float32", device="cpu", num_blocks=4, attention="cpu")
+
+
+def test_the_plain_draw_picks_the_tokens_torch_inverts_to() -> None:
+    """The kernel's inverse CDF against the sampler's torch one on the same uniforms: the same token except
+    where a uniform falls within rounding of a boundary between two tokens."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 49152 + 7, generator=g) * 3  # a vocabulary that is not a multiple of 16
+    u = torch.rand(300, generator=g)
+    ours, theirs = cpu_kernels.draw_plain(x, u), draw_plain(x, u)
+    assert (ours == theirs).float().mean() >= 0.99
+    assert torch.equal(cpu_kernels.draw_plain(x[5:6], u[5:6]), ours[5:6])  # a row alone: the same draw
+    peaked = torch.full((2, 100), -1e4)
+    peaked[0, 42], peaked[1, 99] = 0.0, 0.0  # all the mass on one token, even at u just below 1
+    assert cpu_kernels.draw_plain(peaked, torch.tensor([0.999999, 0.0])).tolist() == [42, 99]

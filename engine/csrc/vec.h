@@ -71,9 +71,11 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
-// exp(x), Cephes' expf polynomial on x clamped to [-87, 88], 16 lanes at a time (libm's expf does not
-// vectorize without -ffast-math); the same bits on every call.
+// exp(x), Cephes' expf polynomial, 16 lanes at a time (libm's expf does not vectorize without
+// -ffast-math); the same bits on every call. Below -87 (where expf leaves the normal floats) it is 0, so a
+// masked -inf logit has no mass; above 88 it saturates.
 inline f32x16 exp_approx(f32x16 x) {
+    const f32x16 input = x;
     x = x < splat(-87.0f) ? splat(-87.0f) : x;
     x = x > splat(88.0f) ? splat(88.0f) : x;
     const f32x16 z = x * 1.44269504088896341f + 0.5f;
@@ -90,7 +92,7 @@ inline f32x16 exp_approx(f32x16 x) {
     const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
     f32x16 scale;
     std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return input < splat(-87.0f) ? splat(0.0f) : p * scale;
 }
 
 // exp_approx of one float, through lane 0: a tail element gets the same bits as a vector lane would.
