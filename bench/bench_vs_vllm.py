@@ -354,6 +354,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--port", type=int, default=8411)
     p.add_argument("--only", choices=["vllm", "headroom"], help="run one server (the report then has one side)")
+    p.add_argument(
+        "--first", choices=["vllm", "headroom"], default="vllm", help="which server runs first (the other follows)"
+    )
     args = p.parse_args()
     args.argv = sys.argv[1:]
     args.load_start = load_average()
@@ -372,7 +375,9 @@ def main() -> None:
         )
     if not why:
         chosen = [s for s in servers(args.peer_venv, hf_dir, args.work, args) if args.only in (None, s.name)]
+        chosen.sort(key=lambda s: s.name != args.first)
         results = [measure(s, args.peer_venv, hf_dir, args.work, args) for s in chosen]
+        results.sort(key=lambda r: r.name != "vllm")  # the report's columns: vLLM, then Headroom
         why = next((f"`vllm serve` failed: {r.error}" for r in results if r.name == "vllm" and r.error), "")
         text = report(results, info, args)
     if why:

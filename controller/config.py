@@ -150,10 +150,15 @@ def _build(base: ControllerConfig, patch: Mapping[str, Any], source: str) -> Con
     return cfg
 
 
-def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> ControllerConfig:
-    """Defaults, then the TOML file (top level or its [controller] table), then HEADROOM_CONTROLLER_<GAIN>
-    environment variables. Raises ValueError naming the source and the gain on any bad value."""
-    cfg = ControllerConfig()
+def load_config(
+    path: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    plant_defaults: Mapping[str, Any] | None = None,
+) -> ControllerConfig:
+    """Defaults, then the plant's own defaults (the engine's, for a kind of device), then the TOML file (top
+    level or its [controller] table), then HEADROOM_CONTROLLER_<GAIN> environment variables. Raises
+    ValueError naming the source and the gain on any bad value."""
+    cfg = _build(ControllerConfig(), plant_defaults, "the plant's defaults") if plant_defaults else ControllerConfig()
     if path is not None:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)

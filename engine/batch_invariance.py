@@ -22,6 +22,7 @@ kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -57,8 +58,20 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 1) -> t
     `weight` may be `prepacked`."""
     rows = x.shape[0]
     if rows < min_rows:
-        return _linear(F.pad(x, (0, 0, 0, min_rows - rows)), weight)[:rows]
+        padded = _zero_rows(min_rows, x.shape[1], x.dtype, x.device)
+        padded[:rows] = x  # rows past `rows` are never written: they stay zero
+        return _linear(padded, weight)[:rows]
     return _linear(x, weight)
+
+
+@functools.cache
+def _zero_rows(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer padded_linear copies short inputs into, one per shape: one copy a call instead of F.pad's
+    allocate, fill and copy (about 1.5 ms of a 30 ms batch-1 decode step). The engine runs one step at a
+    time, and the linear's output is a new tensor, so reusing it is safe. Made outside inference mode, so
+    that it can be written in and out of it."""
+    with torch.inference_mode(False):
+        return torch.zeros(rows, width, dtype=dtype, device=device)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

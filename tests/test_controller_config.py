@@ -112,3 +112,24 @@ def test_every_gain_has_bounds_and_unit() -> None:
     for f in dataclasses.fields(ControllerConfig):
         assert {"unit", "min", "max", "doc"} <= set(f.metadata), f.name
         assert f.metadata["min"] <= f.default <= f.metadata["max"], f.name
+
+
+def test_plant_defaults_come_before_the_file_and_the_environment(tmp_path) -> None:
+    plant = {"max_prefill_tokens": 2048}
+    assert load_config(None, env={}, plant_defaults=plant).max_prefill_tokens == 2048
+    p = tmp_path / "c.toml"
+    p.write_text("[controller]\nmax_prefill_tokens = 8192\n")
+    assert load_config(p, env={}, plant_defaults=plant).max_prefill_tokens == 8192
+    env = {"HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS": "4096"}
+    assert load_config(None, env=env, plant_defaults=plant).max_prefill_tokens == 4096
+
+
+def test_the_engine_caps_prefill_steps_on_a_cpu_only() -> None:
+    from engine.config import EngineConfig
+    from engine.factory import CPU_CONTROLLER_DEFAULTS, build_policy
+
+    cpu = build_policy(EngineConfig(policy="adaptive", device="cpu"))
+    cap = CPU_CONTROLLER_DEFAULTS["max_prefill_tokens"]
+    assert cpu.cfg.max_prefill_tokens == cap < ControllerConfig().max_prefill_tokens
+    twin = build_policy(EngineConfig(policy="adaptive", backend="twin"))
+    assert twin.cfg == ControllerConfig()
