@@ -28,18 +28,30 @@ def build_policy(cfg: EngineConfig) -> Policy:
     return FixedPolicy(**{LIMIT_NAMES.get(k, k): v for k, v in cfg.fixed_caps().items()})
 
 
-# The controller's defaults on a CPU. Its memory law lets a burst of prompts into one prefill step of up to
-# max_prefill_tokens (16,384) where memory allows, and on a CPU it nearly always does; but there a step's
-# time grows with its tokens (about 1.5 s per 2,048 prompt tokens for the default model on 2 cores), and
-# every running decode waits for it. Capped at vLLM-CPU's step budget, a burst of 64 prompts of 128 tokens
-# started 19 % sooner on average and the run's output rate rose 6 % (bench/results/cpu_vs_vllm.md). A config
-# file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS still overrides it.
+# The controller's defaults on a CPU whose memory is not a bound (`memory_bounded`). Its memory law lets a
+# burst of prompts into one prefill step of up to max_prefill_tokens (16,384) where memory allows, and there
+# it always does; but a CPU step's time grows with its tokens (about 1.5 s per 2,048 prompt tokens for the
+# default model on 2 cores), and every running decode waits for it. Capped at vLLM-CPU's step budget, a
+# burst of 64 prompts of 128 tokens started 19 % sooner on average and the run's output rate rose 6 %
+# (bench/results/cpu_vs_vllm.md). A config file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
 CPU_CONTROLLER_DEFAULTS = {"max_prefill_tokens": 2048}
 
 
+def memory_bounded(cfg: EngineConfig) -> bool:
+    """Whether the device's capacity is a real bound: the twin, a CUDA device, a CPU with --device-memory, or
+    a CPU under a memory cgroup limit. On a plain CPU the capacity is all of the host's RAM."""
+    return (
+        cfg.backend == "twin"
+        or cfg.device_memory is not None
+        or cfg.device.startswith("cuda")
+        or cgroup_limit() is not None
+    )
+
+
 def controller_defaults(cfg: EngineConfig) -> dict[str, int]:
-    """The adaptive controller's defaults for this engine's plant: CPU_CONTROLLER_DEFAULTS on a CPU."""
-    if cfg.backend == "twin":
+    """The adaptive controller's defaults for this engine's plant: CPU_CONTROLLER_DEFAULTS on a CPU whose
+    memory is not a bound (there latency binds first), none elsewhere."""
+    if memory_bounded(cfg):
         return {}
     from engine.torch_backend import resolve_device
 
@@ -80,16 +92,9 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
 
 def sizes_kv_pool(cfg: EngineConfig) -> bool:
     """Without --num-blocks the adaptive controller sizes the pool (engine/kv_pool.py) where the capacity is
-    a real bound: the twin, a CUDA device, a CPU with --device-memory, or a CPU under a memory cgroup limit.
-    On a plain CPU the capacity is all of the host's RAM, which is not the engine's to fill, so the default
-    pool stays, as it does for every other policy."""
-    bounded = (
-        cfg.backend == "twin"
-        or cfg.device_memory is not None
-        or cfg.device.startswith("cuda")
-        or cgroup_limit() is not None
-    )
-    return cfg.num_blocks is None and cfg.policy == "adaptive" and bounded
+    a real bound (`memory_bounded`). On a plain CPU the capacity is all of the host's RAM, which is not the
+    engine's to fill, so the default pool stays, as it does for every other policy."""
+    return cfg.num_blocks is None and cfg.policy == "adaptive" and memory_bounded(cfg)
 
 
 def build_engine(cfg: EngineConfig) -> LLMEngine:

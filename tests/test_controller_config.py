@@ -124,12 +124,13 @@ def test_plant_defaults_come_before_the_file_and_the_environment(tmp_path) -> No
     assert load_config(None, env=env, plant_defaults=plant).max_prefill_tokens == 4096
 
 
-def test_the_engine_caps_prefill_steps_on_a_cpu_only() -> None:
+def test_the_engine_caps_prefill_steps_on_a_cpu_whose_memory_does_not_bind() -> None:
     from engine.config import EngineConfig
     from engine.factory import CPU_CONTROLLER_DEFAULTS, build_policy
 
     cpu = build_policy(EngineConfig(policy="adaptive", device="cpu"))
     cap = CPU_CONTROLLER_DEFAULTS["max_prefill_tokens"]
     assert cpu.cfg.max_prefill_tokens == cap < ControllerConfig().max_prefill_tokens
-    twin = build_policy(EngineConfig(policy="adaptive", backend="twin"))
-    assert twin.cfg == ControllerConfig()
+    for bounded in (EngineConfig(policy="adaptive", backend="twin"),
+                    EngineConfig(policy="adaptive", device="cpu", device_memory="2GiB")):  # fmt: skip
+        assert build_policy(bounded).cfg == ControllerConfig()  # memory binds there: the controller's own
