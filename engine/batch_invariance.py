@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from engine.dtype_choice import onednn_runs_bf16
+
 BF16_MIN_ROWS = 2
 # Batch sizes the probe compares: every small one (where kernels switch by row count) and a few large.
 PROBE_ROWS = (*range(1, 33), 47, 64, 129, 256)
@@ -46,8 +48,9 @@ def prepacked(weight: torch.Tensor) -> torch.Tensor:
     An unpacked weight is reordered into that layout on every call: prepacking once halves a decode step's
     linears at 1-2 rows (576->3072: 124 -> 56 us; the 576->49152 head 4.3 -> 1.8 ms) and saves 15-30 % at 64
     rows, on an AMD EPYC with AVX512-BF16. The kernel is the same, so every output is bitwise F.linear's.
-    fp32 stays unpacked: F.linear takes MKL there, and oneDNN's fp32 kernel rounds differently."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    fp32 stays unpacked: F.linear takes MKL there, and oneDNN's fp32 kernel rounds differently; so does bf16
+    where oneDNN has no bf16 kernel (an AVX2-only CPU: torch's own kernel runs it)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not onednn_runs_bf16():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 

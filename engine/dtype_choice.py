@@ -8,6 +8,7 @@ On CUDA `auto` is bf16.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,13 @@ class CpuFacts:
         return f"{self.model or 'unknown CPU'} (bf16 flags: {', '.join(bf16) or 'none'}{cap})"
 
 
+@functools.cache
+def onednn_runs_bf16() -> bool:
+    """torch's oneDNN runs bf16 on this CPU (AVX512-BF16, AMX, or AVX-512 BW/VL/DQ emulation); it honours
+    ONEDNN_MAX_CPU_ISA. Where it does not, oneDNN cannot even prepack a bf16 weight."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def read_cpu_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFacts:
     """This machine's facts. Without /proc/cpuinfo (not Linux) no flags are known, so `auto` takes fp32."""
     fields: dict[str, str] = {}
@@ -54,7 +62,7 @@ def read_cpu_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFacts:
     return CpuFacts(
         model=fields.get("model name", ""),
         flags=frozenset(fields.get("flags", "").split()),
-        onednn_bf16=torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        onednn_bf16=onednn_runs_bf16(),
         onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
     )
 
