@@ -284,18 +284,14 @@ def paged_attention(
     returns attention output [T, H, hd]: each token attends causally to its sequence's cached context."""
     if meta.backend == "cpu":  # writes k/v itself
         return cpu_paged_attention(q, k, v, kv_cache, meta)
-    _write_kv(k, v, kv_cache, meta)
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
     if meta.backend == "flash":
         return _flash(q, kv_cache, meta)
     if meta.backend == "flash_decode":
         return _flash_decode(q, kv_cache, meta)
     return _sdpa(q, kv_cache, meta)
-
-
-def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

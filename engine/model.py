@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, KVCache, paged_attention
 from engine.batch_invariance import padded_linear, prepacked
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import CpuKernelOps
 
 
 @dataclass
@@ -125,7 +128,7 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, ...],
         kv_cache: KVCache,
         meta: AttentionMetadata,
-        ops: TorchOps,
+        ops: TorchOps | CpuKernelOps,
         min_rows: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; delta: the previous layer's MLP output, still to be added to it (None for
@@ -150,7 +153,7 @@ class LlamaModel(nn.Module):
     # whose kernels otherwise round a row differently when it runs alone.
     linear_min_rows: int = 1
     # The elementwise ops: plain torch unless the backend sets the C++ kernels (engine/cpu_kernels.py).
-    ops: TorchOps = TorchOps()
+    ops: TorchOps | CpuKernelOps = TorchOps()
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
