@@ -98,33 +98,30 @@ extern "C" {
 // else sum_out = x + residual and the norm is of sum_out. bf16: 2-byte elements, else fp32.
 void headroom_rms_norm(int bf16, const void* x, const void* residual, void* sum_out, const void* weight, void* out,
                        int64_t rows, int dim, float eps, int threads) {
-    if (bf16)
-        rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
-                 static_cast<uint16_t*>(sum_out), static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out),
-                 rows, dim, eps, threads);
-    else
-        rms_norm(static_cast<const float*>(x), static_cast<const float*>(residual), static_cast<float*>(sum_out),
-                 static_cast<const float*>(weight), static_cast<float*>(out), rows, dim, eps, threads);
+    with_element_type(bf16, [&](auto zero) {
+        using T = decltype(zero);
+        rms_norm(static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<T*>(sum_out),
+                 static_cast<const T*>(weight), static_cast<T*>(out), rows, dim, eps, threads);
+    });
 }
 
 // Rotates x [rows, heads, head_dim] (row stride row_stride, heads contiguous) in place, HF's rotate_half
 // convention; cos, sin: [positions, head_dim] tables.
 void headroom_rope(int bf16, void* x, int64_t row_stride, int64_t rows, int heads, int head_dim, const void* cos,
                    const void* sin, const int64_t* positions, int threads) {
-    if (bf16)
-        rope(static_cast<uint16_t*>(x), row_stride, rows, heads, head_dim, static_cast<const uint16_t*>(cos),
-             static_cast<const uint16_t*>(sin), positions, threads);
-    else
-        rope(static_cast<float*>(x), row_stride, rows, heads, head_dim, static_cast<const float*>(cos),
-             static_cast<const float*>(sin), positions, threads);
+    with_element_type(bf16, [&](auto zero) {
+        using T = decltype(zero);
+        rope(static_cast<T*>(x), row_stride, rows, heads, head_dim, static_cast<const T*>(cos),
+             static_cast<const T*>(sin), positions, threads);
+    });
 }
 
 // out [rows, width] = silu(gate) * up, gate_up [rows, 2 * width] contiguous (gate first).
 void headroom_silu_mul(int bf16, const void* gate_up, void* out, int64_t rows, int width, int threads) {
-    if (bf16)
-        silu_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, width, threads);
-    else
-        silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, width, threads);
+    with_element_type(bf16, [&](auto zero) {
+        using T = decltype(zero);
+        silu_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, width, threads);
+    });
 }
 
 }  // extern "C"

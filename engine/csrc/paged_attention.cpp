@@ -2,8 +2,9 @@
 //
 // Why a kernel of our own: written in torch, attention has to gather every sequence's blocks into
 // contiguous copies padded to the batch's longest context and run many tiny matmuls on them; on a small
-// CPU that was a quarter of a batch-1 decode step and half of a batch-64 one. Here each (token, KV head)
-// is one work item that walks its own context, so nothing is copied, padded or masked.
+// CPU that was a quarter of a batch-1 decode step and half of a batch-64 one. Here each KV head of a tile
+// (one decode token, or up to 16 consecutive prefill tokens) is one work item that walks its own
+// sequence's context, so nothing is copied, padded or masked.
 //
 // Batch invariance by construction: a token's result is computed by the same code over the same keys in
 // the same order whatever else the step holds (decodes, prefills, chunks, other sequences), and no
@@ -119,7 +120,8 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
             }
         }
     }
-    for (int row = 0; row < rows; ++row) total[row] = softmax_unnormalized(&scores[size_t(row) * keys], ctx[row / group]);
+    for (int row = 0; row < rows; ++row)
+        total[row] = softmax_unnormalized(&scores[size_t(row) * keys], ctx[row / group]);
     for (int first = 0; first < keys; first += block_size) {
         load_block(v_cache, first, std::min(block_size, keys - first));
         for (int row = 0; row < rows; ++row) {
@@ -161,33 +163,13 @@ void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
             const Tile& tile = tiles[item / kv_heads];
-            attend_tile<T, CHUNKS>(q + tile.first * q_row, q_row, k_cache, v_cache, tables + int64_t(token_seq[tile.first]) * table_row,
-                        token_ctx + tile.first, tile.tokens, int(item % kv_heads), group, kv_heads, head_dim,
-                        block_size, scale, out + tile.first * heads * head_dim, int64_t(heads) * head_dim, qv, acc,
-                        block, scores, total);
+            attend_tile<T, CHUNKS>(q + tile.first * q_row, q_row, k_cache, v_cache,
+                                   tables + int64_t(token_seq[tile.first]) * table_row, token_ctx + tile.first,
+                                   tile.tokens, int(item % kv_heads), group, kv_heads, head_dim, block_size, scale,
+                                   out + tile.first * heads * head_dim, int64_t(heads) * head_dim, qv, acc, block,
+                                   scores, total);
         }
     }
-}
-
-template <typename T>
-void run(const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v, int64_t v_row,
-         const int64_t* slots, void* k_cache, void* v_cache, const int32_t* tables, int64_t table_row,
-         const int32_t* token_seq, const int32_t* token_ctx, int64_t tokens, int heads, int kv_heads,
-         int head_dim, int block_size, float scale, void* out, int threads) {
-    write_kv(static_cast<const T*>(k), static_cast<const T*>(v), k_row, v_row, slots, tokens, kv_heads, head_dim,
-             static_cast<T*>(k_cache), static_cast<T*>(v_cache));
-    auto go = [&](auto chunks) {
-        attend<T, decltype(chunks)::value>(static_cast<const T*>(q), q_row, static_cast<const T*>(k_cache),
-                                           static_cast<const T*>(v_cache), tables, table_row, token_seq, token_ctx,
-                                           tokens, heads, kv_heads, head_dim, block_size, scale, static_cast<T*>(out),
-                                           threads);
-    };
-    if (head_dim == 64)
-        go(std::integral_constant<int, 4>{});
-    else if (head_dim == 128)
-        go(std::integral_constant<int, 8>{});
-    else
-        go(std::integral_constant<int, 0>{});
 }
 
 }  // namespace
@@ -196,19 +178,31 @@ extern "C" {
 
 // Write the step's new K and V into their cache slots, then attend: q [tokens, heads, head_dim] with row
 // stride q_row (elements), k and v [tokens, kv_heads, head_dim] with row strides k_row and v_row, heads
-// contiguous within a row, head_dim a multiple of 16 and at most 256 (the caller checks). Token t belongs to block-table row token_seq[t] and sees the first
-// token_ctx[t] keys of it. out: [tokens, heads, head_dim], contiguous. bf16: 2-byte elements, else fp32.
+// contiguous within a row, head_dim a multiple of 16 and at most 256 (the caller checks). Token t belongs to
+// block-table row token_seq[t] and sees the first token_ctx[t] keys of it. out: [tokens, heads, head_dim],
+// contiguous. bf16: 2-byte elements, else fp32.
 void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
                               int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
                               const int32_t* tables, int64_t table_row, const int32_t* token_seq,
                               const int32_t* token_ctx, int64_t tokens, int heads, int kv_heads, int head_dim,
                               int block_size, float scale, void* out, int threads) {
-    if (bf16)
-        run<uint16_t>(q, q_row, k, k_row, v, v_row, slots, k_cache, v_cache, tables, table_row, token_seq,
-                      token_ctx, tokens, heads, kv_heads, head_dim, block_size, scale, out, threads);
-    else
-        run<float>(q, q_row, k, k_row, v, v_row, slots, k_cache, v_cache, tables, table_row, token_seq, token_ctx,
-                   tokens, heads, kv_heads, head_dim, block_size, scale, out, threads);
+    with_element_type(bf16, [&](auto zero) {
+        using T = decltype(zero);
+        write_kv(static_cast<const T*>(k), static_cast<const T*>(v), k_row, v_row, slots, tokens, kv_heads,
+                 head_dim, static_cast<T*>(k_cache), static_cast<T*>(v_cache));
+        auto go = [&](auto chunks) {  // head sizes 64 and 128 unrolled, others at run time
+            attend<T, decltype(chunks)::value>(static_cast<const T*>(q), q_row, static_cast<const T*>(k_cache),
+                                               static_cast<const T*>(v_cache), tables, table_row, token_seq,
+                                               token_ctx, tokens, heads, kv_heads, head_dim, block_size, scale,
+                                               static_cast<T*>(out), threads);
+        };
+        if (head_dim == 64)
+            go(std::integral_constant<int, 4>{});
+        else if (head_dim == 128)
+            go(std::integral_constant<int, 8>{});
+        else
+            go(std::integral_constant<int, 0>{});
+    });
 }
 
 }  // extern "C"

@@ -98,4 +98,14 @@ inline f32x16 exp_approx(f32x16 x) {
 // exp_approx of one float, through lane 0: a tail element gets the same bits as a vector lane would.
 inline float exp_approx(float x) { return exp_approx(splat(x))[0]; }
 
+// Calls f with a value of the element type: uint16_t (bf16 bits) when `bf16`, else float. Each kernel's
+// extern "C" entry point casts its pointers once, inside f, instead of spelling out both types.
+template <typename F>
+void with_element_type(int bf16, F&& f) {
+    if (bf16)
+        f(uint16_t{});
+    else
+        f(float{});
+}
+
 }  // namespace headroom
