@@ -18,35 +18,38 @@ using namespace headroom;
 template <typename T>
 void rms_norm(const T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int dim, float eps,
               int threads) {
-#pragma omp parallel for num_threads(threads) if (rows >= 8)
-    for (int64_t t = 0; t < rows; ++t) {
-        std::vector<float> row(dim);
-        for (int d = 0; d < dim; ++d) {
-            float v = to_f32(x[t * dim + d]);
-            if (residual) {  // the sum is rounded to the dtype before the norm reads it, as torch adds
-                store(sum_out + t * dim + d, v + to_f32(residual[t * dim + d]));
-                v = to_f32(sum_out[t * dim + d]);
+#pragma omp parallel num_threads(threads) if (rows >= 8)
+    {
+        std::vector<float> row(dim);  // one buffer a thread, not one a row
+#pragma omp for
+        for (int64_t t = 0; t < rows; ++t) {
+            for (int d = 0; d < dim; ++d) {
+                float v = to_f32(x[t * dim + d]);
+                if (residual) {  // the sum is rounded to the dtype before the norm reads it, as torch adds
+                    store(sum_out + t * dim + d, v + to_f32(residual[t * dim + d]));
+                    v = to_f32(sum_out[t * dim + d]);
+                }
+                row[d] = v;
             }
-            row[d] = v;
-        }
-        f32x16 lanes = {};
-        const int whole = dim - dim % LANES;
-        for (int d = 0; d < whole; d += LANES) {
-            const f32x16 v = load16(&row[d]);
-            lanes += v * v;
-        }
-        float squares = sum16(lanes);
-        for (int d = whole; d < dim; ++d) squares += row[d] * row[d];
-        const float inv = 1.0f / std::sqrt(squares / dim + eps);
-        for (int d = 0; d < whole; d += LANES) {
-            T normed[LANES];  // rounded to the dtype before the weight, as HF's LlamaRMSNorm does
-            store16(normed, load16(&row[d]) * inv);
-            store16(out + t * dim + d, load16(weight + d) * load16(normed));
-        }
-        for (int d = whole; d < dim; ++d) {
-            T normed;
-            store(&normed, row[d] * inv);
-            store(out + t * dim + d, to_f32(weight[d]) * to_f32(normed));
+            f32x16 lanes = {};
+            const int whole = dim - dim % LANES;
+            for (int d = 0; d < whole; d += LANES) {
+                const f32x16 v = load16(&row[d]);
+                lanes += v * v;
+            }
+            float squares = sum16(lanes);
+            for (int d = whole; d < dim; ++d) squares += row[d] * row[d];
+            const float inv = 1.0f / std::sqrt(squares / dim + eps);
+            for (int d = 0; d < whole; d += LANES) {
+                T normed[LANES];  // rounded to the dtype before the weight, as HF's LlamaRMSNorm does
+                store16(normed, load16(&row[d]) * inv);
+                store16(out + t * dim + d, load16(weight + d) * load16(normed));
+            }
+            for (int d = whole; d < dim; ++d) {
+                T normed;
+                store(&normed, row[d] * inv);
+                store(out + t * dim + d, to_f32(weight[d]) * to_f32(normed));
+            }
         }
     }
 }
@@ -55,17 +58,20 @@ template <typename T>
 void rope(T* x, int64_t row_stride, int64_t rows, int heads, int head_dim, const T* cos, const T* sin,
           const int64_t* positions, int threads) {
     const int half = head_dim / 2;
-#pragma omp parallel for num_threads(threads) if (rows >= 8)
-    for (int64_t t = 0; t < rows; ++t) {
-        std::vector<float> v(head_dim);
-        const T* c = cos + positions[t] * head_dim;
-        const T* s = sin + positions[t] * head_dim;
-        for (int h = 0; h < heads; ++h) {
-            T* p = x + t * row_stride + int64_t(h) * head_dim;
-            for (int d = 0; d < head_dim; ++d) v[d] = to_f32(p[d]);
-            for (int d = 0; d < head_dim; ++d) {  // x * cos + rotate_half(x) * sin
-                const float rotated = d < half ? -v[d + half] : v[d - half];
-                store(p + d, v[d] * to_f32(c[d]) + rotated * to_f32(s[d]));
+#pragma omp parallel num_threads(threads) if (rows >= 8)
+    {
+        std::vector<float> v(head_dim);  // one buffer a thread, not one a row
+#pragma omp for
+        for (int64_t t = 0; t < rows; ++t) {
+            const T* c = cos + positions[t] * head_dim;
+            const T* s = sin + positions[t] * head_dim;
+            for (int h = 0; h < heads; ++h) {
+                T* p = x + t * row_stride + int64_t(h) * head_dim;
+                for (int d = 0; d < head_dim; ++d) v[d] = to_f32(p[d]);
+                for (int d = 0; d < head_dim; ++d) {  // x * cos + rotate_half(x) * sin
+                    const float rotated = d < half ? -v[d + half] : v[d - half];
+                    store(p + d, v[d] * to_f32(c[d]) + rotated * to_f32(s[d]));
+                }
             }
         }
     }
