@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache_dir import default_cache_dir
+from engine.dtype_choice import read_cpu_facts
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata, KVCache
@@ -64,23 +65,15 @@ class KernelBuild:
     reason: str  # what was built or loaded, or why not
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
 def build(cache_root: Path | None = None, compiler: str | None = None) -> KernelBuild:
     """Compile the kernels into the cache (once per sources, flags, compiler and CPU) and load them."""
     compiler = shutil.which(compiler or os.environ.get(COMPILER_ENV, "g++"))
     if compiler is None:
         return KernelBuild(None, "no C++ compiler found (g++ or $CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = "\n".join([*(p.read_text() for p in (*SOURCES, *HEADERS)), *FLAGS, version, _cpu_flags()])
+    cpu = read_cpu_facts()  # -march=native compiles for this CPU: another one rebuilds
+    machine = [os.uname().machine, cpu.model, *sorted(cpu.flags)]
+    key = "\n".join([*(p.read_text() for p in (*SOURCES, *HEADERS)), *FLAGS, version, *machine])
     target = (cache_root or default_cache_dir()) / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.so"
     if not target.is_file():
         try:

@@ -12,6 +12,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.cpu_kernels import CpuKernelOps, build
+from engine.dtype_choice import CpuFacts
 from engine.kernel_choice import choose_kernel
 from engine.loaders.random_model import random_llama
 from engine.model import ModelConfig, TorchOps
@@ -88,7 +89,8 @@ def test_the_build_is_cached_per_machine(tmp_path, monkeypatch: pytest.MonkeyPat
     assert first.library is not None and second.library is not None, first.reason
     assert len(compiles) == 1
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : another cpu")
+    another_cpu = CpuFacts("another cpu", frozenset({"avx2"}), False, None)
+    monkeypatch.setattr(cpu_kernels, "read_cpu_facts", lambda: another_cpu)
     assert build(tmp_path).library is not None and len(compiles) == 2
 
 
