@@ -3,8 +3,9 @@ with it?
 
 Greedy outputs are bitwise the same alone and batched only if every op computes a token's row the same
 way whatever the batch holds. Attention and the elementwise ops are written for that (engine/cpu_kernels.py
-and, in plain torch, engine/attention.py); the linears run on vendor kernels that promise nothing of the
-kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
+and, in plain torch, engine/attention.py); on a CPU with AVX512-BF16 (and no AMX) so do the bf16 linears
+(`linear_weight`: engine/csrc/linear.cpp sums each output in one fixed order). Elsewhere the linears run on
+vendor kernels that promise nothing of the kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
 (bench/results/batch_invariance.md):
 - bf16 (oneDNN): a row computed alone (1 row) can differ from the same row in a batch of 2 or more for
   K=1536 (the MLP down projection; in the real model, 252 of 2730 single-row calls). Padding every input
@@ -24,10 +25,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_kernels import PackedLinear, cpu_linear, pack_linear
 from engine.dtype_choice import onednn_runs_bf16
 
 BF16_MIN_ROWS = 2
@@ -55,10 +58,20 @@ def prepacked(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
-def padded_linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+def linear_weight(weight: torch.Tensor, cpu_kernel: bool) -> torch.Tensor | PackedLinear:
+    """`weight` as the model's linear runs it: packed for Headroom's bf16 kernel where `cpu_kernel` (the
+    backend found it usable: engine/cpu_kernels.py `linear_unusable_reason`) and the shape fits, else
+    `prepacked`."""
+    packed = pack_linear(weight) if cpu_kernel else None
+    return packed if packed is not None else prepacked(weight)
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, min_rows: int = 1) -> torch.Tensor:
     """F.linear(x, weight) for x [T, K], computed over at least `min_rows` rows (zeros appended), so that
     the kernel, and with it each row's summation order, is the one a batch of `min_rows` rows gets.
-    `weight` may be `prepacked`."""
+    `weight` may be `prepacked`, or a PackedLinear, whose kernel needs no padding."""
+    if isinstance(weight, PackedLinear):
+        return cpu_linear(x, weight)
     rows = x.shape[0]
     if rows < min_rows:
         padded = _zero_rows(min_rows, x.shape[1], x.dtype, x.device)
@@ -88,17 +101,18 @@ def linear_row_mismatch(
     dtype: torch.dtype,
     min_rows: int = 1,
     rows: Iterable[int] = PROBE_ROWS,
-    linear: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = padded_linear,
+    linear: Callable[[torch.Tensor, Any, int], torch.Tensor] = padded_linear,
+    cpu_kernel: bool = False,
 ) -> str | None:
     """Probe the kernels on CPU: for each (in_features, out_features) shape, compute random rows one at a
     time and in batches of each size in `rows` (the first PROBE_FIRST_ROWS rows and the last row of each
-    batch are compared). None when every row matched bitwise; else the first shape, batch size and rows
-    that differed."""
+    batch are compared). `cpu_kernel`: the weights as `linear_weight` packs them. None when every row
+    matched bitwise; else the first shape, batch size and rows that differed."""
     g = torch.Generator().manual_seed(0)
     rows = sorted(rows)
     checked = sorted({*range(min(PROBE_FIRST_ROWS, rows[-1])), *(m - 1 for m in rows)})
     for k, n in shapes:
-        weight = prepacked(torch.randn(n, k, generator=g).to(dtype))  # the weights as the model runs them
+        weight = linear_weight(torch.randn(n, k, generator=g).to(dtype), cpu_kernel)  # as the model runs them
         x = torch.randn(rows[-1], k, generator=g).to(dtype)
         alone = {i: linear(x[i : i + 1], weight, min_rows)[0] for i in checked}
         for m in rows:

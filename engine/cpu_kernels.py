@@ -1,5 +1,5 @@
-"""Headroom's CPU kernels (engine/csrc/): paged attention, RMSNorm with its residual add, RoPE, SiLU-mul, and
-the sampler's plain inverse-CDF draw.
+"""Headroom's CPU kernels (engine/csrc/): paged attention, RMSNorm with its residual add, RoPE, SiLU-mul, the
+sampler's plain inverse-CDF draw, and the bf16 linears on AVX512-BF16.
 
 Why compile at run time: the kernels are built with `-march=native`, so they use the vector units of the CPU
 they run on (AVX-512, AVX2, NEON) and the wheel ships no binary per CPU. The sources are plain C++ with no
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from engine.attention import AttentionMetadata, KVCache
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp")
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp")
 )
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
 # -Wno-psabi: without AVX-512, GCC notes that 16-float vectors would be passed differently; none crosses the
@@ -56,7 +57,9 @@ SIGNATURES = {
     "headroom_rope": [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p, _i32],
     "headroom_silu_mul": [_i32, _p, _p, _i64, _i32, _i32],
     "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
+    "headroom_linear_bf16": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
 }  # fmt: skip
+LINEAR_BLOCK = 16  # outputs per packed block of the linear kernel (engine/csrc/linear.cpp)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ def build(cache_root: Path | None = None, compiler: str | None = None) -> Kernel
     for name, argtypes in SIGNATURES.items():
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = None
+    library.headroom_linear_available.argtypes, library.headroom_linear_available.restype = [], ctypes.c_int
     return KernelBuild(library, f"built with {Path(compiler).name} -march=native ({target.name})")
 
 
@@ -199,4 +203,51 @@ def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     _lib().headroom_sample_plain(
         x.data_ptr(), x.shape[0], x.shape[1], u.data_ptr(), out.data_ptr(), torch.get_num_threads()
     )
+    return out
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A bf16 weight [N, K] in the linear kernel's layout, [N/16][K/2][16][2] (engine/csrc/linear.cpp)."""
+
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def linear_unusable_reason(dtype: torch.dtype, flags: frozenset[str] | None = None) -> str | None:
+    """None when the model's linears run on the bf16 kernel here (the other kernels built, bf16, AVX512-BF16);
+    else why they stay on torch. With AMX-BF16 oneDNN's AMX tiles keep them: those run a prefill several
+    times faster than AVX-512 can, and no AMX CPU was at hand to measure the trade at decode sizes."""
+    if dtype != torch.bfloat16:
+        return f"the linear kernel runs bf16, dtype is {str(dtype).removeprefix('torch.')}"
+    if "amx_bf16" in (read_cpu_facts().flags if flags is None else flags):
+        return "AMX-BF16: oneDNN's AMX kernels run the linears"
+    library = load_library().library
+    if library is None:
+        return load_library().reason
+    if not library.headroom_linear_available():
+        return "the compiler targets no AVX512-BF16 on this CPU"
+    return None
+
+
+def pack_linear(weight: torch.Tensor) -> PackedLinear | None:
+    """`weight` [N, K] in the kernel's layout, or None where its shape does not fit (N not a multiple of 16
+    or K odd): that linear stays on torch."""
+    n, k = weight.shape
+    if n % LINEAR_BLOCK or k % 2:
+        return None
+    blocks = weight.detach().view(n // LINEAR_BLOCK, LINEAR_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    return PackedLinear(blocks, n, k)
+
+
+def cpu_linear(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
+    """x [T, K] @ weight^T in bf16, each output summed in one fixed order (batch-invariant)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
+    _lib().headroom_linear_bf16(
+        x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), out.data_ptr(), x.shape[0], weight.out_features,
+        weight.in_features, torch.get_num_threads(),
+    )  # fmt: skip
     return out

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KVCache, paged_attention
-from engine.batch_invariance import padded_linear, prepacked
+from engine.batch_invariance import linear_weight, padded_linear
 
 if TYPE_CHECKING:
-    from engine.cpu_kernels import CpuKernelOps
+    from engine.cpu_kernels import CpuKernelOps, PackedLinear
 
 
 @dataclass
@@ -115,11 +115,12 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = _param(d, dtype=dtype, device=device)
         self.w_gate_up = _param(2 * cfg.intermediate_size, d, dtype=dtype, device=device)
         self.w_down = _param(d, cfg.intermediate_size, dtype=dtype, device=device)
-        self.packed: tuple[torch.Tensor, ...] | None = None  # pack_linears(): the weights the forward runs on
+        self.packed: tuple[torch.Tensor | PackedLinear, ...] | None = None  # pack_linears(): what the forward runs
 
-    def pack_linears(self) -> None:
-        """Run the linears on weights prepacked for their kernel (engine/batch_invariance.py `prepacked`)."""
-        self.packed = tuple(prepacked(w.detach()) for w in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
+    def pack_linears(self, cpu_kernel: bool) -> None:
+        """Run the linears on weights packed for their kernel (engine/batch_invariance.py `linear_weight`)."""
+        weights = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        self.packed = tuple(linear_weight(w.detach(), cpu_kernel) for w in weights)
 
     def forward(
         self,
@@ -168,7 +169,7 @@ class LlamaModel(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
-        self.packed_head: torch.Tensor | None = None
+        self.packed_head: torch.Tensor | PackedLinear | None = None
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
         angles = torch.cat((freqs, freqs), dim=-1)
         # [max_pos, 1, head_dim] in the model dtype, broadcast over heads (HF casts cos/sin the same way)
@@ -208,12 +209,13 @@ class LlamaModel(nn.Module):
         head = self.lm_head if self.packed_head is None else self.packed_head
         return padded_linear(hidden, head, self.linear_min_rows).float()
 
-    def pack_linears(self) -> None:
-        """Prepack every linear's weight for its kernel, once the weights are loaded: the unpacked
-        parameters stay (the embedding, the model cache and tests read them)."""
+    def pack_linears(self, cpu_kernel: bool = False) -> None:
+        """Pack every linear's weight for its kernel, once the weights are loaded: the unpacked parameters
+        stay (the embedding, the model cache and tests read them). `cpu_kernel`: Headroom's bf16 kernel
+        (engine/cpu_kernels.py), else oneDNN where it runs bf16, else torch's default."""
         for layer in self.layers:
-            layer.pack_linears()
-        self.packed_head = prepacked(self.lm_head.detach())
+            layer.pack_linears(cpu_kernel)
+        self.packed_head = linear_weight(self.lm_head.detach(), cpu_kernel)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused layout. The

@@ -17,7 +17,7 @@ from engine.attention import (
     swap_out_blocks,
 )
 from engine.batch_invariance import linear_min_rows
-from engine.cpu_kernels import CpuKernelOps, head_dim_unsupported
+from engine.cpu_kernels import CpuKernelOps, head_dim_unsupported, linear_unusable_reason
 from engine.cuda_graphs import Capture, DecodeGraphMetadata, DecodeGraphs, cuda_graph_capture
 from engine.dtype_choice import choose_dtype
 from engine.kernel_choice import KernelChoice, choose_kernel
@@ -75,19 +75,21 @@ class TorchBackend:
         loaded in this dtype on this device (engine/loaders/random_model.py). dtype: `auto` (default) is
         bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32 (engine/dtype_choice.py);
         `dtype_reason` says why. Batch invariance (a token's logits do not depend on what else is in the
-        batch) on CPU: attention keeps it on every path; bf16 linears keep it with
-        their inputs padded to `linear_min_rows` rows, as measured by engine/batch_invariance.py's probe
-        (oneDNN does not promise it); float32 linears (MKL) round a row differently by batch size, so
-        greedy outputs can differ between batched and alone. On CUDA nothing is promised.
+        batch) on CPU: attention keeps it on every path; bf16 linears keep it on Headroom's kernel (AVX512-BF16
+        without AMX) by construction, elsewhere with their inputs padded to `linear_min_rows` rows, as
+        measured by engine/batch_invariance.py's probe (oneDNN does not promise it); float32 linears (MKL)
+        round a row differently by batch size, so greedy outputs can differ between batched and alone. On
+        CUDA nothing is promised.
         `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe
         and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
         weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
         `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws.
         `attention` and `block_size` None: engine/kernel_choice.py (on the CPU, the C++ kernels of
-        engine/cpu_kernels.py, which then run the norms, RoPE and SiLU too; flash-attn with 256-token blocks
-        where it runs; else sdpa, plain torch, with 16); `kernel_reason` says why. Decode-only steps replay CUDA graphs
-        (engine/cuda_graphs.py) on CUDA with the flash kernel, unless `enforce_eager`. `model_cache`: load
-        through the warm-start cache (engine/loaders/cache.py)."""
+        engine/cpu_kernels.py, which then run the norms, RoPE, SiLU and, in bf16 on AVX512-BF16 without AMX,
+        the linears too; flash-attn with 256-token blocks where it runs; else sdpa, plain torch, with 16);
+        `kernel_reason` says why. Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) on CUDA with
+        the flash kernel, unless `enforce_eager`. `model_cache`: load through the warm-start cache
+        (engine/loaders/cache.py)."""
         self.device = resolve_device(device)
         choice = choose_dtype(dtype, self.device)
         self.dtype, self.dtype_reason = choice.dtype, choice.reason
@@ -102,9 +104,13 @@ class TorchBackend:
             if attention == "cpu":
                 raise ValueError(f"attention backend 'cpu' cannot run this model: {why}")
             self.attention, self.kernel_reason = "sdpa", f"auto: sdpa ({why})"  # same block size
+        linear_blocker = "the C++ kernels are off" if self.attention != "cpu" else linear_unusable_reason(self.dtype)
         if self.attention == "cpu":  # the C++ kernels built: the elementwise ops run on them too
             self.model.ops = CpuKernelOps()
-        self.model.pack_linears()
+        if self.device.type == "cpu":
+            linears = "the bf16 kernel" if linear_blocker is None else f"torch ({linear_blocker})"
+            self.kernel_reason += f"; linears: {linears}"
+        self.model.pack_linears(cpu_kernel=linear_blocker is None)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name

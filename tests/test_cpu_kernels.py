@@ -1,7 +1,8 @@
 """The C++ CPU kernels (engine/cpu_kernels.py): the elementwise ops against the model's plain-torch ones,
-each row computed the same alone and in a batch, the build cached per machine, and the fallback to plain
-torch where nothing can be built. Paged attention itself is checked in tests/test_model.py against a dense
-reference and for bitwise batch invariance, and end to end in tests/test_hf_reference.py."""
+each row computed the same alone and in a batch, the bf16 linear against an fp32 reference and bitwise
+batch-invariant, the build cached per machine, and the fallback to plain torch where nothing can be built.
+Paged attention itself is checked in tests/test_model.py against a dense reference and for bitwise batch
+invariance, and end to end in tests/test_hf_reference.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.cpu_kernels import CpuKernelOps, build
+from engine.batch_invariance import linear_row_mismatch, linear_weight
+from engine.cpu_kernels import CpuKernelOps, PackedLinear, build
 from engine.dtype_choice import CpuFacts
 from engine.kernel_choice import choose_kernel
 from engine.loaders.random_model import random_llama
@@ -138,3 +140,51 @@ def test_the_plain_draw_picks_the_tokens_torch_inverts_to() -> None:
     peaked = torch.full((2, 100), -1e4)
     peaked[0, 42], peaked[1, 99] = 0.0, 0.0  # all the mass on one token, even at u just below 1
     assert cpu_kernels.draw_plain(peaked, torch.tensor([0.999999, 0.0])).tolist() == [42, 99]
+
+
+@pytest.fixture
+def linear_kernel() -> None:
+    if (why := cpu_kernels.linear_unusable_reason(torch.bfloat16, frozenset())) is not None:
+        pytest.skip(f"the bf16 linear kernel does not run here: {why}")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 37])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (34, 80), (1536, 16)])  # 80: a column of 2 blocks at the end
+def test_the_linear_kernel_matches_an_fp32_reference(linear_kernel, rows: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    packed = cpu_kernels.pack_linear(w)
+    assert packed is not None
+    ours = cpu_kernels.cpu_linear(x, packed)
+    reference = (x.float() @ w.float().T).bfloat16()  # fp32 sums in another order: within one bf16 step
+    assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+    torch.testing.assert_close(ours, reference, atol=1e-2, rtol=1e-2)
+    strided = torch.randn(rows, k + 6, generator=g).bfloat16()[:, 3 : 3 + k]  # a row stride that is not k
+    assert torch.equal(cpu_kernels.cpu_linear(strided, packed), cpu_kernels.cpu_linear(strided.contiguous(), packed))
+
+
+def test_the_linear_kernel_is_batch_invariant_on_the_models_shapes(linear_kernel) -> None:
+    """Every probed row bitwise the same alone and in batches of 1-32, 47, 64, 129 and 256 rows, unpadded:
+    the property the kernel's fixed summation order gives (the probe itself is tested to catch kernels that
+    lack it, tests/test_batch_invariance.py)."""
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
+    assert isinstance(linear_weight(torch.zeros(960, 576, dtype=torch.bfloat16), cpu_kernel=True), PackedLinear)
+    assert linear_row_mismatch(shapes, torch.bfloat16, min_rows=1, cpu_kernel=True) is None
+
+
+def test_linears_the_kernel_cannot_take_stay_on_torch() -> None:
+    assert cpu_kernels.pack_linear(torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # 40 outputs: not 16s
+    assert cpu_kernels.pack_linear(torch.zeros(48, 63, dtype=torch.bfloat16)) is None  # an odd input size
+    assert not isinstance(linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16), cpu_kernel=True), PackedLinear)
+    assert "AMX" in cpu_kernels.linear_unusable_reason(torch.bfloat16, frozenset({"amx_bf16", "avx512_bf16"}))
+    assert "float32" in cpu_kernels.linear_unusable_reason(torch.float32, frozenset())
+
+
+def test_the_default_model_runs_its_bf16_linears_on_the_kernel(linear_kernel) -> None:
+    backend = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=8)
+    assert "linears: the bf16 kernel" in backend.kernel_reason
+    assert isinstance(backend.model.packed_head, PackedLinear)
+    assert all(isinstance(w, PackedLinear) for layer in backend.model.layers for w in layer.packed)
+    plain = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=8, attention="sdpa")
+    assert "linears: torch (the C++ kernels are off)" in plain.kernel_reason
+    assert not isinstance(plain.model.packed_head, PackedLinear)

@@ -4,8 +4,9 @@ a single greedy token, and every KV block comes back.
 Comparing greedy tokens bitwise is only sound where every kernel computes a token's row the same way
 whatever else is in the batch: otherwise a near-tie flips (on bf16 oneDNN without padding, "Write a haiku
 about the sea." starts with token 2 batched and 198 alone). Attention and the elementwise ops are
-batch-invariant by construction on every CPU path (engine/cpu_kernels.py, engine/attention.py); the linears
-are probed on this CPU (engine/batch_invariance.py), and
+batch-invariant by construction on every CPU path (engine/cpu_kernels.py, engine/attention.py), and so are
+bf16 linears on Headroom's kernel (AVX512-BF16 without AMX); other linears are probed on this CPU
+(engine/batch_invariance.py), and
 the comparison runs in the first dtype whose linears pass: the default (`auto`), else bf16 (on CPUs
 without bf16 instructions `auto` is fp32, whose MKL kernels round rows by batch size, while torch's own
 bf16 kernel keeps rows apart). Where neither passes the tests skip and say what the probe found.
@@ -23,6 +24,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.batch_invariance import linear_min_rows, linear_row_mismatch
 from engine.cli import engine_config
+from engine.cpu_kernels import linear_unusable_reason
 from engine.dtype_choice import choose_dtype
 from engine.factory import build_engine
 from engine.loaders import load
@@ -49,7 +51,8 @@ def invariant_dtype() -> str:
     findings = []
     for name in ("auto", "bfloat16"):
         dtype = choose_dtype(name, cpu).dtype
-        mismatch = linear_row_mismatch(shapes, dtype, linear_min_rows(cpu, dtype))
+        own_kernel = linear_unusable_reason(dtype) is None  # the model runs its linears as the probe does
+        mismatch = linear_row_mismatch(shapes, dtype, linear_min_rows(cpu, dtype), cpu_kernel=own_kernel)
         if mismatch is None:
             return name
         findings.append(f"{name}: {mismatch}")
