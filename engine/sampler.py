@@ -202,24 +202,27 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
         """logits: float32 [S, V]; positions[i]: where row i's sampled token will sit in its sequence."""
-        out = logits.argmax(dim=-1)
         # random rows grouped by path on the host (stable: row order within a path), so each path takes a
         # contiguous slice and nothing waits on the device to learn a group's size
         rand = [i for i, p in enumerate(params) if not p.greedy and p.top_k != 1]
         rand.sort(key=lambda i: _path(params[i]))
-        if rand:
-            chosen = [params[i] for i in rand]
-            uniforms = self._uniforms(chosen, [positions[i] for i in rand])
-            columns = [(i, p.temperature, p.top_k, p.top_p, u) for i, p, u in zip(rand, chosen, uniforms, strict=True)]
-            table = torch.tensor(columns, dtype=torch.float64).to(logits.device)  # the one upload
-            rows = table[:, 0].long()
-            x = logits.index_select(0, rows) / table[:, 1:2].float()
-            out.index_copy_(
-                0,
-                rows,
-                draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen, self._plain),
-            )
-        return out.tolist()
+        if not rand:
+            return logits.argmax(dim=-1).tolist()
+        # the argmax, the row gather and the temperature each pass over [rows, vocab]: only where needed
+        greedy = sorted(set(range(len(params))) - set(rand))
+        out = torch.zeros(len(params), dtype=torch.long, device=logits.device)
+        if greedy:
+            out[greedy] = logits[greedy].argmax(dim=-1)
+        chosen = [params[i] for i in rand]
+        uniforms = self._uniforms(chosen, [positions[i] for i in rand])
+        columns = [(i, p.temperature, p.top_k, p.top_p, u) for i, p, u in zip(rand, chosen, uniforms, strict=True)]
+        table = torch.tensor(columns, dtype=torch.float64).to(logits.device)  # the one upload
+        rows = table[:, 0].long()
+        x = logits if rand == list(range(len(params))) else logits.index_select(0, rows)
+        if any(p.temperature != 1 for p in chosen):  # x / 1 is x: skipping it changes no bit
+            x = x / table[:, 1:2].float()
+        picks = draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen, self._plain)
+        return out.index_copy_(0, rows, picks).tolist()
 
     def sample_sequences(
         self, logits: torch.Tensor, seqs: Sequence[Request], eos_token_ids: set[int]
