@@ -3,7 +3,7 @@ with it?
 
 Greedy outputs are bitwise the same alone and batched only if every op computes a token's row the same
 way whatever the batch holds. Attention and the elementwise ops are written for that (engine/cpu_kernels.py
-and, in plain torch, engine/attention.py); on a CPU with AVX512-BF16 (and no AMX) so do the bf16 linears
+and, in plain torch, engine/attention.py); on a CPU with AVX512-BF16 (AMX CPUs have it too) so do the bf16 linears
 (`linear_weight`: engine/csrc/linear.cpp sums each output in one fixed order). Elsewhere the linears run on
 vendor kernels that promise nothing of the kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
 (bench/results/batch_invariance.md):

@@ -215,14 +215,16 @@ class PackedLinear:
     in_features: int
 
 
-def linear_unusable_reason(dtype: torch.dtype, flags: frozenset[str] | None = None) -> str | None:
+def linear_unusable_reason(dtype: torch.dtype) -> str | None:
     """None when the model's linears run on the bf16 kernel here (the other kernels built, bf16, AVX512-BF16);
-    else why they stay on torch. With AMX-BF16 oneDNN's AMX tiles keep them: those run a prefill several
-    times faster than AVX-512 can, and no AMX CPU was at hand to measure the trade at decode sizes."""
+    else why they stay on torch.
+
+    CPUs with AMX-BF16 have AVX512-BF16 too, and take the kernel as well. oneDNN's AMX tiles may run a long
+    prefill faster there (not measured: no AMX machine was at hand), but their summation order is theirs:
+    with the kernel, a bf16 model's arithmetic on the CPU is Headroom's own, and batch-invariant by
+    construction, on every CPU that runs bf16 by default."""
     if dtype != torch.bfloat16:
         return f"the linear kernel runs bf16, dtype is {str(dtype).removeprefix('torch.')}"
-    if "amx_bf16" in (read_cpu_facts().flags if flags is None else flags):
-        return "AMX-BF16: oneDNN's AMX kernels run the linears"
     library = load_library().library
     if library is None:
         return load_library().reason

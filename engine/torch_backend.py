@@ -75,8 +75,8 @@ class TorchBackend:
         loaded in this dtype on this device (engine/loaders/random_model.py). dtype: `auto` (default) is
         bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32 (engine/dtype_choice.py);
         `dtype_reason` says why. Batch invariance (a token's logits do not depend on what else is in the
-        batch) on CPU: attention keeps it on every path; bf16 linears keep it on Headroom's kernel (AVX512-BF16
-        without AMX) by construction, elsewhere with their inputs padded to `linear_min_rows` rows, as
+        batch) on CPU: attention keeps it on every path; bf16 linears keep it on Headroom's kernel (AVX512-BF16)
+        by construction, elsewhere with their inputs padded to `linear_min_rows` rows, as
         measured by engine/batch_invariance.py's probe (oneDNN does not promise it); float32 linears (MKL)
         round a row differently by batch size, so greedy outputs can differ between batched and alone. On
         CUDA nothing is promised.
@@ -85,7 +85,7 @@ class TorchBackend:
         weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
         `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws.
         `attention` and `block_size` None: engine/kernel_choice.py (on the CPU, the C++ kernels of
-        engine/cpu_kernels.py, which then run the norms, RoPE, SiLU and, in bf16 on AVX512-BF16 without AMX,
+        engine/cpu_kernels.py, which then run the norms, RoPE, SiLU and, in bf16 on AVX512-BF16,
         the linears too; flash-attn with 256-token blocks where it runs; else sdpa, plain torch, with 16);
         `kernel_reason` says why. Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) on CUDA with
         the flash kernel, unless `enforce_eager`. `model_cache`: load through the warm-start cache

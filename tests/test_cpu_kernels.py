@@ -144,7 +144,7 @@ def test_the_plain_draw_picks_the_tokens_torch_inverts_to() -> None:
 
 @pytest.fixture
 def linear_kernel() -> None:
-    if (why := cpu_kernels.linear_unusable_reason(torch.bfloat16, frozenset())) is not None:
+    if (why := cpu_kernels.linear_unusable_reason(torch.bfloat16)) is not None:
         pytest.skip(f"the bf16 linear kernel does not run here: {why}")
 
 
@@ -176,8 +176,7 @@ def test_linears_the_kernel_cannot_take_stay_on_torch() -> None:
     assert cpu_kernels.pack_linear(torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # 40 outputs: not 16s
     assert cpu_kernels.pack_linear(torch.zeros(48, 63, dtype=torch.bfloat16)) is None  # an odd input size
     assert not isinstance(linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16), cpu_kernel=True), PackedLinear)
-    assert "AMX" in cpu_kernels.linear_unusable_reason(torch.bfloat16, frozenset({"amx_bf16", "avx512_bf16"}))
-    assert "float32" in cpu_kernels.linear_unusable_reason(torch.float32, frozenset())
+    assert "float32" in cpu_kernels.linear_unusable_reason(torch.float32)
 
 
 def test_the_default_model_runs_its_bf16_linears_on_the_kernel(linear_kernel) -> None:

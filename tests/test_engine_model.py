@@ -5,7 +5,7 @@ Comparing greedy tokens bitwise is only sound where every kernel computes a toke
 whatever else is in the batch: otherwise a near-tie flips (on bf16 oneDNN without padding, "Write a haiku
 about the sea." starts with token 2 batched and 198 alone). Attention and the elementwise ops are
 batch-invariant by construction on every CPU path (engine/cpu_kernels.py, engine/attention.py), and so are
-bf16 linears on Headroom's kernel (AVX512-BF16 without AMX); other linears are probed on this CPU
+bf16 linears on Headroom's kernel (AVX512-BF16, which AMX CPUs have too); other linears are probed on this CPU
 (engine/batch_invariance.py), and
 the comparison runs in the first dtype whose linears pass: the default (`auto`), else bf16 (on CPUs
 without bf16 instructions `auto` is fp32, whose MKL kernels round rows by batch size, while torch's own
@@ -76,8 +76,13 @@ def generate_together(dtype: str, **options: object) -> tuple[list[list[int]], L
     [
         {"num_blocks": 256},
         # vLLM-like: prompt-only reservation, mixed steps, prefill chunked to 32 tokens.
-        {"num_blocks": 256, "kv_reserve_ratio": 0.0, "mixed": True, "prefill_first": False,
-         "max_num_batched_tokens": 32},
+        {
+            "num_blocks": 256,
+            "kv_reserve_ratio": 0.0,
+            "mixed": True,
+            "prefill_first": False,
+            "max_num_batched_tokens": 32,
+        },
     ],
     ids=["batched", "chunked-32"],
 )
@@ -109,9 +114,21 @@ def test_engine_rejects_prompt_longer_than_context():
 
 def test_generate_cli_answers_paris():
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "headroom"), "generate", "--chat",
-         "--prompt", "What is the capital of France?", "--max-tokens", "16", "--temperature", "0"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            str(Path(sys.executable).parent / "headroom"),
+            "generate",
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert "Paris" in out.stdout
 
