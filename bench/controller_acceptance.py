@@ -25,8 +25,21 @@ Key = tuple[int, int, int]
 
 
 def matrix_cmd(policy: str, blocks: int, out: Path) -> list[str]:
-    return ["headroom", "bench", "matrix", "--backend", "twin", "--policy", policy, "--num-blocks", str(blocks),
-            "--jobs", "2", "--out", str(out)]
+    return [
+        "headroom",
+        "bench",
+        "matrix",
+        "--backend",
+        "twin",
+        "--policy",
+        policy,
+        "--num-blocks",
+        str(blocks),
+        "--jobs",
+        "2",
+        "--out",
+        str(out),
+    ]
 
 
 def load(path: Path) -> tuple[str, dict[Key, dict]]:
@@ -79,14 +92,20 @@ def targets(runs: dict[tuple[str, int], dict[Key, dict]]) -> list[str]:
         a, s = runs["adaptive", b], runs["seed-static", b]
         seed_oom = [k for k in s if s[k]["ooms"]]
         bad = [k for k in a if a[k]["ooms"] or a[k]["failed"]]
-        row(f"{b} blocks: 0 OOMs with adaptive where seed-static OOMs ({len(seed_oom)} points)",
-            f"adaptive OOMs or failures at {len(bad)} points", not bad)
+        row(
+            f"{b} blocks: 0 OOMs with adaptive where seed-static OOMs ({len(seed_oom)} points)",
+            f"adaptive OOMs or failures at {len(bad)} points",
+            not bad,
+        )
         long = {k: a[k]["output_throughput"] / ad[k]["output_throughput"] for k in a if k[2] == 4096}
         kv_bound = [x for k, x in long.items() if k[0] >= 4]
-        row(f"{b} blocks: long-output throughput above adaptive at 64 blocks",
-            "per point " + ", ".join(f"{k[0]}/{k[1]}: {x:.3f}" for k, x in long.items())
+        row(
+            f"{b} blocks: long-output throughput above adaptive at 64 blocks",
+            "per point "
+            + ", ".join(f"{k[0]}/{k[1]}: {x:.3f}" for k, x in long.items())
             + f"; geomean con>=4 {geomean(kv_bound):.3f} (con 1 is not KV-bound)",
-            min(kv_bound) > 1.0 and min(long.values()) >= 0.995)
+            min(kv_bound) > 1.0 and min(long.values()) >= 0.995,
+        )
     return ["| target | result | holds |", "|---|---|---|", *rows]
 
 

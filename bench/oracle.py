@@ -28,8 +28,18 @@ TARGET = 0.9
 
 
 def fixed_argv(prefill: int, decode: int, ratio: float) -> list[str]:
-    return ["--max-prefill-tokens", str(prefill), "--max-decode-seqs", str(decode), "--max-num-seqs", "256",
-            "--kv-reserve-ratio", str(ratio), "--mixed", "--no-prefill-first"]
+    return [
+        "--max-prefill-tokens",
+        str(prefill),
+        "--max-decode-seqs",
+        str(decode),
+        "--max-num-seqs",
+        "256",
+        "--kv-reserve-ratio",
+        str(ratio),
+        "--mixed",
+        "--no-prefill-first",
+    ]
 
 
 def one(job: tuple[tuple[int, int, int], str, list[str]]) -> dict:
@@ -78,12 +88,15 @@ def main() -> None:
             f"{ad['mean_ttft_ms']:.0f} | {best['mean_ttft_ms']:.0f} | {ad['mean_e2el_ms'] / 1e3:.1f} | "
             f"{best['mean_e2el_ms'] / 1e3:.1f} |"
         )
-    lines += ["", f"Adaptive OOMs: {sum(r['ooms'] for r in runs if r['policy'] == 'adaptive')}; "
-              f"minimum adaptive / oracle {min(fractions):.3f} (target {TARGET}): "
-              f"{'met' if min(fractions) >= TARGET else 'NOT met'} at every point."
-              if min(fractions) >= TARGET else
-              f"minimum adaptive / oracle {min(fractions):.3f} (target {TARGET}): NOT met at "
-              f"{sum(f < TARGET for f in fractions)} of {len(POINTS)} points."]
+    lines += [
+        "",
+        f"Adaptive OOMs: {sum(r['ooms'] for r in runs if r['policy'] == 'adaptive')}; "
+        f"minimum adaptive / oracle {min(fractions):.3f} (target {TARGET}): "
+        f"{'met' if min(fractions) >= TARGET else 'NOT met'} at every point."
+        if min(fractions) >= TARGET
+        else f"minimum adaptive / oracle {min(fractions):.3f} (target {TARGET}): NOT met at "
+        f"{sum(f < TARGET for f in fractions)} of {len(POINTS)} points.",
+    ]
     write_report(args.out, lines, runs)
 
 

@@ -96,23 +96,33 @@ class Recorder:
         long_prefill = any(it.is_prefill and it.seq.prompt_len >= 8192 for it in batch.items)
         usable, room, idle = self._budget
         m = rec.memory
-        self.rows.append({
-            "step": rec.step_id, "time": rec.time, "prefill_tokens": rec.shape.prefill_tokens,
-            "decode_seqs": rec.shape.decode_seqs, "long_prefill": long_prefill, "oom": rec.oom,
-            "peak_mib": m.step_peak / MIB if m.sampled else None,
-            "allocated_mib": (m.peak_allocated - idle) / MIB if m.sampled else None,
-            "reserved_mib": (m.reserved - idle) / MIB if m.sampled else None,
-            "usable_mib": usable, "room_mib": room, "cut": cuts > self._cuts,
-            "scale": pol.law.scale, "prefill_cap": pol.law.prefill_cap, "decode_cap": pol.law.decode_cap,
-            "effective_prefill": pol.effective_prefill_tokens(),
-            "memory_decode_seqs": pol.memory_decode_seqs(DECODE_CONTEXT),
-        })
+        self.rows.append(
+            {
+                "step": rec.step_id,
+                "time": rec.time,
+                "prefill_tokens": rec.shape.prefill_tokens,
+                "decode_seqs": rec.shape.decode_seqs,
+                "long_prefill": long_prefill,
+                "oom": rec.oom,
+                "peak_mib": m.step_peak / MIB if m.sampled else None,
+                "allocated_mib": (m.peak_allocated - idle) / MIB if m.sampled else None,
+                "reserved_mib": (m.reserved - idle) / MIB if m.sampled else None,
+                "usable_mib": usable,
+                "room_mib": room,
+                "cut": cuts > self._cuts,
+                "scale": pol.law.scale,
+                "prefill_cap": pol.law.prefill_cap,
+                "decode_cap": pol.law.decode_cap,
+                "effective_prefill": pol.effective_prefill_tokens(),
+                "memory_decode_seqs": pol.memory_decode_seqs(DECODE_CONTEXT),
+            }
+        )
         self._budget, self._cuts = self._budget_now(), cuts
 
 
 def settle(values: list[float]) -> tuple[float, int]:
     """(final value, index from which the signal stays within the band of it)."""
-    final = statistics.median(values[-max(1, len(values) // 3):])
+    final = statistics.median(values[-max(1, len(values) // 3) :])
     band = SETTLE_BAND * abs(final) if final else SETTLE_BAND
     k = len(values)
     while k > 0 and abs(values[k - 1] - final) <= band:
@@ -145,15 +155,20 @@ def analyse(rows: list[dict], shifts: list[int]) -> dict:
     bounds = [0, *shifts, len(rows)]
     phases = []
     for p in range(len(bounds) - 1):
-        seg = rows[bounds[p]:bounds[p + 1]]
+        seg = rows[bounds[p] : bounds[p + 1]]
         sig = {}
         for name in SIGNALS:
             vals = [float(r[name]) for r in seg]
             final, k = settle(vals)
-            sig[name] = {"final": final, "settle_steps": k, "max_reversals_50": max_reversals(vals[k:], final),
-                         "min": min(vals), "max": max(vals)}
+            sig[name] = {
+                "final": final,
+                "settle_steps": k,
+                "max_reversals_50": max_reversals(vals[k:], final),
+                "min": min(vals),
+                "max": max(vals),
+            }
         phases.append({"first_step": seg[0]["step"], "steps": len(seg), "signals": sig})
-    burst = rows[shifts[0]:shifts[1]]
+    burst = rows[shifts[0] : shifts[1]]
     settled = max(phases[1]["signals"][n]["settle_steps"] for n in MEMORY_SIGNALS)
     high = [r for r in burst[settled:] if r["cut"] and r["peak_mib"] is not None and 0 < r["room_mib"] < float("inf")]
     ratios = {
@@ -165,8 +180,11 @@ def analyse(rows: list[dict], shifts: list[int]) -> dict:
         "phases": phases,
         "ooms": sum(r["oom"] for r in rows),
         "high_load_steps": len(high),
-        "high_load": {k: {"median": statistics.median(v), "p10": sorted(v)[len(v) // 10], "max": max(v)}
-                      for k, v in ratios.items() if v},
+        "high_load": {
+            k: {"median": statistics.median(v), "p10": sorted(v)[len(v) // 10], "max": max(v)}
+            for k, v in ratios.items()
+            if v
+        },
     }
 
 
@@ -178,8 +196,9 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=16, help="8192-token prompts in the burst")
     ap.add_argument("--burst-rate", type=float, default=2.0, help="their arrivals per second")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: the twin profile's)")
-    ap.add_argument("--out", default=None, help="markdown report; the summary and the steps around each shift go "
-                    "beside it as .json")
+    ap.add_argument(
+        "--out", default=None, help="markdown report; the summary and the steps around each shift go beside it as .json"
+    )
     args = ap.parse_args()
     reqs = workload(args.seed, args.chat_seconds, args.chat_rate, args.burst, args.burst_rate)
     argv = ["--backend", "twin", "--policy", "adaptive"]
@@ -223,32 +242,51 @@ def main() -> None:
     names = ["chat", "burst", "chat again"]
     for name, ph in zip(names, res["phases"], strict=True):
         for s, v in ph["signals"].items():
-            lines.append(f"| {name} (from step {ph['first_step']}, {ph['steps']} steps) | {s} | {v['final']:.3g} | "
-                         f"{v['min']:.3g} | {v['max']:.3g} | {v['settle_steps']} | {v['max_reversals_50']} |")
+            lines.append(
+                f"| {name} (from step {ph['first_step']}, {ph['steps']} steps) | {s} | {v['final']:.3g} | "
+                f"{v['min']:.3g} | {v['max']:.3g} | {v['settle_steps']} | {v['max_reversals_50']} |"
+            )
     h = res["high_load"]
-    lines += ["", f"Steady high load: the {res['high_load_steps']} settled burst steps that admission cut for "
-              "memory. allocated / room is the measure: live bytes at the step's peak above the idle floor "
-              "(the step's own peak plus what the previous step retained), over the device budget above that "
-              "floor (capacity - external - idle - headroom). reserved / room adds the allocator's cached "
-              "segments (it can pass 1: the cache may reach into the headroom); step peak / usable is the "
-              "step's own peak over the budget admission packed it against.", "",
-              "| ratio | median | p10 | max |", "|---|---|---|---|"]
+    lines += [
+        "",
+        f"Steady high load: the {res['high_load_steps']} settled burst steps that admission cut for "
+        "memory. allocated / room is the measure: live bytes at the step's peak above the idle floor "
+        "(the step's own peak plus what the previous step retained), over the device budget above that "
+        "floor (capacity - external - idle - headroom). reserved / room adds the allocator's cached "
+        "segments (it can pass 1: the cache may reach into the headroom); step peak / usable is the "
+        "step's own peak over the budget admission packed it against.",
+        "",
+        "| ratio | median | p10 | max |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {k} | {v['median']:.3f} | {v['p10']:.3f} | {v['max']:.3f} |" for k, v in h.items()] + [""]
     checks = [
         ("0 OOMs", res["ooms"] == 0),
         ("0 failed requests", run.num_requests == len(ok)),
-        ("memory limits settle within 50 steps of each shift",
-         all(ph["signals"][s]["settle_steps"] <= SETTLE_TARGET for ph in res["phases"][1:] for s in MEMORY_SIGNALS)),
-        ("caps settle within 50 steps of each shift (they follow demand)",
-         all(ph["signals"][s]["settle_steps"] <= SETTLE_TARGET for ph in res["phases"][1:]
-             for s in SIGNALS if s not in MEMORY_SIGNALS)),
-        ("no oscillation, any signal", all(v["max_reversals_50"] < REVERSALS_MAX
-                                           for ph in res["phases"] for v in ph["signals"].values())),
-        ("peak >= 85% of budget in steady high load (median allocated / room)",
-         bool(h) and h["allocated / room"]["median"] >= 0.85),
+        (
+            "memory limits settle within 50 steps of each shift",
+            all(ph["signals"][s]["settle_steps"] <= SETTLE_TARGET for ph in res["phases"][1:] for s in MEMORY_SIGNALS),
+        ),
+        (
+            "caps settle within 50 steps of each shift (they follow demand)",
+            all(
+                ph["signals"][s]["settle_steps"] <= SETTLE_TARGET
+                for ph in res["phases"][1:]
+                for s in SIGNALS
+                if s not in MEMORY_SIGNALS
+            ),
+        ),
+        (
+            "no oscillation, any signal",
+            all(v["max_reversals_50"] < REVERSALS_MAX for ph in res["phases"] for v in ph["signals"].values()),
+        ),
+        (
+            "peak >= 85% of budget in steady high load (median allocated / room)",
+            bool(h) and h["allocated / room"]["median"] >= 0.85,
+        ),
     ]
     lines += ["| criterion | holds |", "|---|---|"] + [f"| {c} | {'yes' if ok_ else 'NO'} |" for c, ok_ in checks]
-    near = [rows[max(0, s - 50):s + 200] for s in shifts]  # the whole series is ~4 MB: keep the transients
+    near = [rows[max(0, s - 50) : s + 200] for s in shifts]  # the whole series is ~4 MB: keep the transients
     write_report(args.out, lines, {"summary": res, "steps_around_shifts": near})
 
 

@@ -180,8 +180,14 @@ class AdaptivePolicy:
         r = self._raw
         chunk = min(prompt_len, self.cfg.min_chunk)
         ctx = prompt_len - chunk
-        s = StepShape(prefill_tokens=chunk, prefill_seqs=1, sum_context=prompt_len, max_context=prompt_len,
-                      prefill_attn=chunk * prompt_len, sampled_seqs=1)
+        s = StepShape(
+            prefill_tokens=chunk,
+            prefill_seqs=1,
+            sum_context=prompt_len,
+            max_context=prompt_len,
+            prefill_attn=chunk * prompt_len,
+            sampled_seqs=1,
+        )
         need = predict(r, s)
         what = f"even a {chunk}-token chunk at position {ctx}"
         if need <= free:
@@ -192,8 +198,10 @@ class AdaptivePolicy:
         if need <= free:
             return None
         self.counters["rejected_too_long"] += 1
-        reason = (f"request cannot fit in device memory: {what} needs ~{need:.0f} MiB above idle, "
-                  f"only {free:.0f} MiB are free")
+        reason = (
+            f"request cannot fit in device memory: {what} needs ~{need:.0f} MiB above idle, "
+            f"only {free:.0f} MiB are free"
+        )
         self._log("reject", reason)
         return reason
 
@@ -225,9 +233,12 @@ class AdaptivePolicy:
             "block_bytes": block_bytes,
             "num_blocks": target,
         }
-        self._log("kv_pool_size", f"start-up: {target} blocks of {block_bytes / MIB:.1f} MiB beside a "
-                  f"{reserve / MIB:.0f} MiB reserve (profiled {self.cfg.pool_reserve_tokens}-token prefill), "
-                  f"{b.headroom() / MIB:.0f} MiB headroom, {external / MIB:.0f} MiB outside")
+        self._log(
+            "kv_pool_size",
+            f"start-up: {target} blocks of {block_bytes / MIB:.1f} MiB beside a "
+            f"{reserve / MIB:.0f} MiB reserve (profiled {self.cfg.pool_reserve_tokens}-token prefill), "
+            f"{b.headroom() / MIB:.0f} MiB headroom, {external / MIB:.0f} MiB outside",
+        )
         return target
 
     def kv_pool_target(self, memory: MemorySample) -> int | None:
@@ -251,8 +262,11 @@ class AdaptivePolicy:
         pool = self.pool
         if preempted:
             self.counters["kv_pool_preemptions"] += preempted
-            self._log("kv_pool_preempt", f"{preempted} newest running sequences preempted by recompute: the pool "
-                      f"({old} blocks) must shrink below the blocks in use ({self._pool_reason})")
+            self._log(
+                "kv_pool_preempt",
+                f"{preempted} newest running sequences preempted by recompute: the pool "
+                f"({old} blocks) must shrink below the blocks in use ({self._pool_reason})",
+            )
             if why := pool.note_demand(self._step, preempted, False, 0):
                 self._log("kv_pool_demand", why)
         pool.resized(self._step, new, error is None)
@@ -286,12 +300,14 @@ class AdaptivePolicy:
             "step": self._step,
             "limits": self._limits.as_dict(),
             "effective_prefill_tokens": self.effective_prefill_tokens(),
-            "budget": {**b.as_dict(), "scale": self.law.scale,
-                       "effective": int(self.law.scale * b.usable)},
+            "budget": {**b.as_dict(), "scale": self.law.scale, "effective": int(self.law.scale * b.usable)},
             "estimator": {
                 "coefficients": est.coefficients(),
-                "margin": {"prefill": est.relative_margin(True), "decode": est.relative_margin(False),
-                           "floor_bytes": int(est.margin_floor * MIB)},
+                "margin": {
+                    "prefill": est.relative_margin(True),
+                    "decode": est.relative_margin(False),
+                    "floor_bytes": int(est.margin_floor * MIB),
+                },
                 "samples": est.total_samples,
                 "trained": est.trained,
                 "resets": est.resets,
@@ -304,8 +320,7 @@ class AdaptivePolicy:
             "kv_reservation": self.kv.state(),
             "kv_pool": self.pool.state(),
             "counters": dict(self.counters),
-            "decisions": [{**d, "reason": d["reason"]()} if callable(d["reason"]) else d
-                          for d in self.decisions],
+            "decisions": [{**d, "reason": d["reason"]()} if callable(d["reason"]) else d for d in self.decisions],
             "config": self.cfg.as_dict(),
         }
 
@@ -359,8 +374,9 @@ class AdaptivePolicy:
             self._last_pred = est.last_prediction
             if est.resets != resets:
                 counters["estimator_resets"] += 1
-                self._log("estimator_reset", "OOM" if oom else
-                          f"plant change: relative residual {est.last_residual:+.2f}")
+                self._log(
+                    "estimator_reset", "OOM" if oom else f"plant change: relative residual {est.last_residual:+.2f}"
+                )
             if self._last_retries is not None and m.alloc_retries > self._last_retries:
                 retry = True
             self._last_retries = m.alloc_retries
@@ -368,8 +384,7 @@ class AdaptivePolicy:
         if oom:
             counters["ooms_recovered"] += 1
         law = self.law
-        events = law.observe(step, peak, usable_now, oom, retry, shape.prefill_tokens, shape.decode_seqs,
-                             self._cut)
+        events = law.observe(step, peak, usable_now, oom, retry, shape.prefill_tokens, shape.decode_seqs, self._cut)
         if events:
             for e in events:
                 self._log(e.action, e.reason)
@@ -380,17 +395,32 @@ class AdaptivePolicy:
         if why:
             self._log("kv_ratio", why)
         if self.pool.enabled:
-            why = self.pool.note_demand(step, rec.preempted, bool(self._step_chunks or self._step_defers),
-                                        rec.kv_blocks_free - rec.kv_blocks_owed)
+            why = self.pool.note_demand(
+                step,
+                rec.preempted,
+                bool(self._step_chunks or self._step_defers),
+                rec.kv_blocks_free - rec.kv_blocks_owed,
+            )
             if why:
                 self._log("kv_pool_demand", why)
         if self._step_chunks or self._step_defers:
-            chunks, defers, pred, threshold, scale = (self._step_chunks, self._step_defers, self._last_pred,
-                                                      self._t_prefill, law.scale)
+            chunks, defers, pred, threshold, scale = (
+                self._step_chunks,
+                self._step_defers,
+                self._last_pred,
+                self._t_prefill,
+                law.scale,
+            )
             # formatted when read: memory-bound serving logs this every step (each replacing the last),
             # and the f-string cost ~3 us a step on the slow build CPU
-            self._log("pack", lambda: f"{chunks} chunked, {defers} deferred: predicted {pred:.0f} MiB vs "
-                      f"threshold {threshold:.0f} MiB (scale {scale:.2f})", quiet=True)
+            self._log(
+                "pack",
+                lambda: (
+                    f"{chunks} chunked, {defers} deferred: predicted {pred:.0f} MiB vs "
+                    f"threshold {threshold:.0f} MiB (scale {scale:.2f})"
+                ),
+                quiet=True,
+            )
             self._step_chunks = self._step_defers = 0
         self._cut = False
         self._refresh()
@@ -451,8 +481,12 @@ class AdaptivePolicy:
                 prefill_first=False,
                 chunked_prefill=True,
             )
-            self._log("limits", f"prefill_tokens={law.prefill_cap} decode_seqs={law.decode_cap} "
-                      f"kv_ratio={key[2]:.2f} emergency={law.emergency}", quiet=True)
+            self._log(
+                "limits",
+                f"prefill_tokens={law.prefill_cap} decode_seqs={law.decode_cap} "
+                f"kv_ratio={key[2]:.2f} emergency={law.emergency}",
+                quiet=True,
+            )
 
     def _log(self, action: str, reason: str | Callable[[], str], quiet: bool = False) -> None:
         """`reason` may be a function that formats it, called when state() reads the log."""

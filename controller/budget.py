@@ -27,11 +27,28 @@ class Budget:
     a sampled record has arrived. A plain slotted class: admission reads it every step and a frozen
     dataclass costs several microseconds to build."""
 
-    __slots__ = ("capacity", "external", "idle", "retained", "headroom", "known", "free", "usable", "free_mib",
-                 "usable_mib")
+    __slots__ = (
+        "capacity",
+        "external",
+        "idle",
+        "retained",
+        "headroom",
+        "known",
+        "free",
+        "usable",
+        "free_mib",
+        "usable_mib",
+    )
 
-    def __init__(self, capacity: int = 0, external: int = 0, idle: int = 0, retained: int = 0, headroom: int = 0,
-                 known: bool = False) -> None:
+    def __init__(
+        self,
+        capacity: int = 0,
+        external: int = 0,
+        idle: int = 0,
+        retained: int = 0,
+        headroom: int = 0,
+        known: bool = False,
+    ) -> None:
         self.capacity, self.external, self.idle = capacity, external, idle
         self.retained, self.headroom, self.known = retained, headroom, known
         free = capacity - external - idle - retained
@@ -138,8 +155,14 @@ class BudgetTracker:
         if self.idle_floor is None:
             return Budget()
         b, r = self.budget, int(retained) if retained > 0 else 0
-        if (b.known and b.retained == r and b.capacity == self.capacity and b.external == self._external
-                and b.idle == self.idle_floor and b.headroom == self.headroom()):
+        if (
+            b.known
+            and b.retained == r
+            and b.capacity == self.capacity
+            and b.external == self._external
+            and b.idle == self.idle_floor
+            and b.headroom == self.headroom()
+        ):
             return b  # unchanged: keep the object (admission's precomputed thresholds stay valid)
         self.budget = Budget(self.capacity, self._external, self.idle_floor, r, self.headroom(), True)
         return self.budget

@@ -28,8 +28,7 @@ from operator import getitem, mul
 from telemetry.record import StepShape
 
 MIB = float(1 << 20)
-FEATURES = ("intercept", "prefill_tokens", "prefill_seqs", "decode_seqs", "sum_context", "prefill_attn",
-            "sampled_seqs")
+FEATURES = ("intercept", "prefill_tokens", "prefill_seqs", "decode_seqs", "sum_context", "prefill_attn", "sampled_seqs")
 # Feature scales: a typical large value of each, so scaled features are O(1).
 SCALES = (1.0, 1024.0, 8.0, 64.0, 16384.0, float(1 << 22), 64.0)
 N = len(FEATURES)
@@ -129,9 +128,17 @@ class PeakEstimator:
         self._skipped = 0
 
     # --- configuration ---------------------------------------------------------------------------------
-    def configure(self, forgetting: float, prior_variance: float, margin_quantile: float, margin_window: int,
-                  margin_floor_mib: float, margin_cold: float, change_threshold: float,
-                  change_count: int) -> None:
+    def configure(
+        self,
+        forgetting: float,
+        prior_variance: float,
+        margin_quantile: float,
+        margin_window: int,
+        margin_floor_mib: float,
+        margin_cold: float,
+        change_threshold: float,
+        change_count: int,
+    ) -> None:
         """Apply new gains, keeping what has been learnt."""
         self.forgetting = forgetting
         self.prior_variance = prior_variance
@@ -166,8 +173,15 @@ class PeakEstimator:
 
     def predict(self, shape: StepShape) -> float:
         r = self._raw
-        return (r[0] + r[1] * shape.prefill_tokens + r[2] * shape.prefill_seqs + r[3] * shape.decode_seqs
-                + r[4] * shape.sum_context + r[5] * shape.prefill_attn + r[6] * shape.sampled_seqs)
+        return (
+            r[0]
+            + r[1] * shape.prefill_tokens
+            + r[2] * shape.prefill_seqs
+            + r[3] * shape.decode_seqs
+            + r[4] * shape.sum_context
+            + r[5] * shape.prefill_attn
+            + r[6] * shape.sampled_seqs
+        )
 
     def relative_margin(self, prefill: bool) -> float:
         """q such that peak <= pred + q * (pred + floor) + floor held on recent steps of this regime."""

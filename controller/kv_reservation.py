@@ -51,8 +51,10 @@ class KVReservation:
                 self.floor = min(1.0, self.floor + cfg.kv_floor_step)
             old = self.ratio
             self.ratio = min(1.0, max(self.floor, self.ratio + cfg.kv_ratio_jump))
-            return (f"{preempted} preempted (churn {self.churn:.1f}/1000 steps): reservation ratio "
-                    f"{old:.3f} -> {self.ratio:.3f}, floor {self.floor:.3f}")
+            return (
+                f"{preempted} preempted (churn {self.churn:.1f}/1000 steps): reservation ratio "
+                f"{old:.3f} -> {self.ratio:.3f}, floor {self.floor:.3f}"
+            )
         if self.floor > cfg.kv_ratio_floor and self.churn < 0.5 * cfg.kv_churn_max:
             self.floor = max(cfg.kv_ratio_floor, self.floor - self.decay)
         if decode_seqs:

@@ -78,17 +78,24 @@ class ControlLaw:
             self._backoff(cfg.oom_backoff, prefill_tokens, decode_seqs, hard=True)
             self.emergency_until = step + cfg.emergency_steps
             self.oom_backoffs += 1
-            return [LawEvent("oom_backoff", f"OOM on a step of {prefill_tokens} prefill tokens and "
-                             f"{decode_seqs} decodes: scale -> {self.scale:.3f}, prefill cap -> "
-                             f"{self.prefill_cap}, decode cap -> {self.decode_cap}")]
-        near = (peak_mib is not None and usable_mib is not None
-                and peak_mib > cfg.backoff_threshold * usable_mib)
+            return [
+                LawEvent(
+                    "oom_backoff",
+                    f"OOM on a step of {prefill_tokens} prefill tokens and "
+                    f"{decode_seqs} decodes: scale -> {self.scale:.3f}, prefill cap -> "
+                    f"{self.prefill_cap}, decode cap -> {self.decode_cap}",
+                )
+            ]
+        near = peak_mib is not None and usable_mib is not None and peak_mib > cfg.backoff_threshold * usable_mib
         retry = alloc_retry and cfg.retry_backoff < 1.0
         if near or retry:
             if step - self.last_backoff_step >= cfg.backoff_cooldown:
                 self._backoff(cfg.backoff if near else cfg.retry_backoff, prefill_tokens, decode_seqs, hard=False)
-                why = (f"peak {peak_mib:.0f} MiB > {cfg.backoff_threshold:.2f} x usable {usable_mib:.0f} MiB"
-                       if near else "allocator retry (cache flush)")
+                why = (
+                    f"peak {peak_mib:.0f} MiB > {cfg.backoff_threshold:.2f} x usable {usable_mib:.0f} MiB"
+                    if near
+                    else "allocator retry (cache flush)"
+                )
                 return [LawEvent("backoff", f"{why}: scale -> {self.scale:.3f}")]
             self.clean_steps = 0
             return None
@@ -96,9 +103,14 @@ class ControlLaw:
         if self.emergency:
             return None
         # additive recovery of the scale, anti-windup and hysteresis
-        if (self.scale < 1.0 and memory_bound and self.clean_steps > cfg.recovery_hold
-                and peak_mib is not None and usable_mib is not None
-                and peak_mib < cfg.recover_below * usable_mib):
+        if (
+            self.scale < 1.0
+            and memory_bound
+            and self.clean_steps > cfg.recovery_hold
+            and peak_mib is not None
+            and usable_mib is not None
+            and peak_mib < cfg.recover_below * usable_mib
+        ):
             self.scale = min(1.0, self.scale + cfg.recovery_step)
             self.recoveries += 1
             if self.scale >= 1.0:
@@ -112,11 +124,13 @@ class ControlLaw:
         cfg = self.cfg
         if self.slow_start:
             if prefill_tokens:
-                self.prefill_cap = max(self.prefill_cap,
-                                       min(cfg.max_prefill_tokens, int(cfg.slow_start_growth * prefill_tokens)))
+                self.prefill_cap = max(
+                    self.prefill_cap, min(cfg.max_prefill_tokens, int(cfg.slow_start_growth * prefill_tokens))
+                )
             if decode_seqs:
-                self.decode_cap = max(self.decode_cap,
-                                      min(cfg.max_decode_seqs, int(cfg.slow_start_growth * decode_seqs)))
+                self.decode_cap = max(
+                    self.decode_cap, min(cfg.max_decode_seqs, int(cfg.slow_start_growth * decode_seqs))
+                )
             return
         if self.clean_steps <= cfg.recovery_hold:
             return

@@ -21,16 +21,34 @@ CAPACITY = 24 * 1024 * MIB
 IDLE = 21 * 1024 * MIB
 
 
-def record(step: int, shape: StepShape, peak_mib: float, oom: bool = False, sampled: bool = True,
-           preempted: int = 0, idle: int = IDLE) -> StepRecord:
-    mem = MemorySample(peak_allocated=int(idle + peak_mib * MIB), reserved=int(idle + peak_mib * MIB),
-                       idle_baseline=idle, capacity=CAPACITY, sampled=sampled)
+def record(
+    step: int,
+    shape: StepShape,
+    peak_mib: float,
+    oom: bool = False,
+    sampled: bool = True,
+    preempted: int = 0,
+    idle: int = IDLE,
+) -> StepRecord:
+    mem = MemorySample(
+        peak_allocated=int(idle + peak_mib * MIB),
+        reserved=int(idle + peak_mib * MIB),
+        idle_baseline=idle,
+        capacity=CAPACITY,
+        sampled=sampled,
+    )
     return StepRecord(step, 0.0, 0.01, shape, mem, 10, 54, 64, oom=oom, preempted=preempted)
 
 
 def prefill(tokens: int, context: int = 0) -> StepShape:
-    return StepShape(prefill_tokens=tokens, prefill_seqs=1, sum_context=context + tokens,
-                     max_context=context + tokens, prefill_attn=tokens * (context + tokens), sampled_seqs=1)
+    return StepShape(
+        prefill_tokens=tokens,
+        prefill_seqs=1,
+        sum_context=context + tokens,
+        max_context=context + tokens,
+        prefill_attn=tokens * (context + tokens),
+        sampled_seqs=1,
+    )
 
 
 def train(pol: AdaptivePolicy, per_token: float = 0.5, steps: int = 60, start: int = 1) -> int:
@@ -147,8 +165,16 @@ def test_reject_reason_only_for_certain_failures() -> None:
 
 
 def test_kv_reservation_rule() -> None:
-    cfg = ControllerConfig().replace({"kv_ratio_init": 0.7, "kv_ratio_floor": 0.1, "kv_ratio_jump": 0.2,
-                                      "kv_ratio_decay_steps": 600, "kv_churn_max": 4.0, "kv_floor_step": 0.1})
+    cfg = ControllerConfig().replace(
+        {
+            "kv_ratio_init": 0.7,
+            "kv_ratio_floor": 0.1,
+            "kv_ratio_jump": 0.2,
+            "kv_ratio_decay_steps": 600,
+            "kv_churn_max": 4.0,
+            "kv_floor_step": 0.1,
+        }
+    )
     kv = KVReservation(cfg)
     assert kv.ratio == cfg.kv_ratio_init
     for _ in range(cfg.kv_ratio_decay_steps + 10):
@@ -180,8 +206,9 @@ def test_preemptions_reach_the_limits() -> None:
     low = pol.limits().kv_reserve_ratio
     # thrashing: 3 preemptions on every step drives the churn past kv_churn_max and the floor up
     for k in range(40):
-        pol.observe(record(step + 700 + k, StepShape(decode_seqs=4, sum_context=4000, sampled_seqs=4), 3.0,
-                           preempted=3))
+        pol.observe(
+            record(step + 700 + k, StepShape(decode_seqs=4, sum_context=4000, sampled_seqs=4), 3.0, preempted=3)
+        )
     assert pol.limits().kv_reserve_ratio > low
     assert pol.state()["counters"]["preemptions"] == 120
 
@@ -195,14 +222,24 @@ def test_decisions_keep_the_last_50() -> None:
 
 
 # --- closed loop through the real scheduler -------------------------------------------------------------
-def run_scheduler(con: int, n: int, prompt: int, out: int, per_token: float = 0.5, blocks: int = 64,
-                  block_size: int = 256, max_steps: int = 20000):
+def run_scheduler(
+    con: int,
+    n: int,
+    prompt: int,
+    out: int,
+    per_token: float = 0.5,
+    blocks: int = 64,
+    block_size: int = 256,
+    max_steps: int = 20000,
+):
     """Requests through engine/scheduler.py with AdaptivePolicy; the plant: 0.5 MiB per token through the
     model (prefill tokens and decodes), 40 MiB per prompt in the step, OOM above the capacity."""
     pol = AdaptivePolicy()
     sched = Scheduler(BlockAllocator(blocks, block_size), pol)
-    pending = [Sequence(f"r{i}", [7] * prompt, SamplingParams(max_tokens=out, ignore_eos=True), max_tokens=out)
-               for i in range(n)]
+    pending = [
+        Sequence(f"r{i}", [7] * prompt, SamplingParams(max_tokens=out, ignore_eos=True), max_tokens=out)
+        for i in range(n)
+    ]
     active = done = ooms = step = 0
     outputs: dict[str, int] = {}
     while done < n and step < max_steps:

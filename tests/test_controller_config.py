@@ -56,8 +56,12 @@ def test_toml_top_level_and_int_for_float(tmp_path) -> None:
 def test_env_overrides_file(tmp_path) -> None:
     p = tmp_path / "c.toml"
     p.write_text("[controller]\nbackoff = 0.7\n")
-    env = {"HEADROOM_CONTROLLER_BACKOFF": "0.6", "HEADROOM_CONTROLLER_MIN_CHUNK": "64",
-           "HEADROOM_CONTROLLER_USE_DEVICE_USED": "off", "OTHER": "x"}
+    env = {
+        "HEADROOM_CONTROLLER_BACKOFF": "0.6",
+        "HEADROOM_CONTROLLER_MIN_CHUNK": "64",
+        "HEADROOM_CONTROLLER_USE_DEVICE_USED": "off",
+        "OTHER": "x",
+    }
     cfg = load_config(p, env=env)
     assert cfg.backoff == 0.6 and cfg.min_chunk == 64 and cfg.use_device_used is False
 

@@ -23,8 +23,18 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
-DEVICE = ["--backend", "torch", "--device", "cpu", "--dtype", "float32", "--device-memory", "1.5GiB",
-          "--num-blocks", "900"]
+DEVICE = [
+    "--backend",
+    "torch",
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--device-memory",
+    "1.5GiB",
+    "--num-blocks",
+    "900",
+]
 REQUESTS, PROMPT_LEN, MAX_TOKENS = 32, 512, 8
 
 

@@ -16,8 +16,15 @@ def random_shape(rng: random.Random, prefill: bool | None = None) -> StepShape:
     ctx = rng.randint(64, 4096)
     sc = ds * ctx + pt
     pa = pt * (pt // max(ps, 1) + rng.randint(0, 2048)) if prefill else 0
-    return StepShape(prefill_tokens=pt, prefill_seqs=ps, decode_seqs=ds, sum_context=sc, max_context=ctx,
-                     prefill_attn=pa, sampled_seqs=ds + ps)
+    return StepShape(
+        prefill_tokens=pt,
+        prefill_seqs=ps,
+        decode_seqs=ds,
+        sum_context=sc,
+        max_context=ctx,
+        prefill_attn=pa,
+        sampled_seqs=ds + ps,
+    )
 
 
 class Plant:
@@ -28,8 +35,9 @@ class Plant:
         self.rng = random.Random(seed)
 
     def exact(self, s: StepShape) -> float:
-        return self.scale * (4.0 + 0.5 * s.prefill_tokens + 40.0 * s.prefill_seqs + 0.5 * s.decode_seqs
-                             + 0.002 * s.sum_context)
+        return self.scale * (
+            4.0 + 0.5 * s.prefill_tokens + 40.0 * s.prefill_seqs + 0.5 * s.decode_seqs + 0.002 * s.sum_context
+        )
 
     def __call__(self, s: StepShape) -> float:
         return self.exact(s) * (1.0 + self.noise * self.rng.random())
@@ -109,8 +117,9 @@ def test_covariance_is_bounded_through_long_decode_stretches() -> None:
         est.update(decode, plant(decode))
     trace = sum(est.P[i][i] for i in range(N))
     assert trace <= est.prior_variance * N * 1.01
-    s = StepShape(prefill_tokens=1024, prefill_seqs=1, sum_context=1024, max_context=1024,
-                  prefill_attn=1 << 20, sampled_seqs=1)
+    s = StepShape(
+        prefill_tokens=1024, prefill_seqs=1, sum_context=1024, max_context=1024, prefill_attn=1 << 20, sampled_seqs=1
+    )
     assert abs(est.predict(s) - plant.exact(s)) / plant.exact(s) < 0.2
     est.update(s, plant(s))
     assert abs(est.predict(s) - plant.exact(s)) / plant.exact(s) < 0.1

@@ -28,8 +28,9 @@ def law(**patch) -> ControlLaw:
 
 def test_oom_backs_off_hard_and_raises_emergency() -> None:
     lw = law()
-    ev = lw.observe(1, None, 1000.0, oom=True, alloc_retry=False, prefill_tokens=2000, decode_seqs=4,
-                    memory_bound=False)
+    ev = lw.observe(
+        1, None, 1000.0, oom=True, alloc_retry=False, prefill_tokens=2000, decode_seqs=4, memory_bound=False
+    )
     assert ev and ev[0].action == "oom_backoff"
     assert lw.scale == 0.5 and lw.prefill_cap <= 1000 and lw.emergency
     for step in range(2, 2 + lw.cfg.emergency_steps):
@@ -112,8 +113,9 @@ def closed_loop(steps: int = 1000, change_at: int = 500, seed: int = 0, decodes:
         peak = true_peak * (1 + 0.02 * rng.random()) * MIB
         oom = IDLE + peak > CAPACITY
         measured = min(peak, CAPACITY - IDLE)
-        mem = MemorySample(peak_allocated=int(IDLE + measured), reserved=int(IDLE + measured), idle_baseline=IDLE,
-                           capacity=CAPACITY)
+        mem = MemorySample(
+            peak_allocated=int(IDLE + measured), reserved=int(IDLE + measured), idle_baseline=IDLE, capacity=CAPACITY
+        )
         pol.observe(StepRecord(step, 0.0, 0.0, shape, mem, 10, 10, 20, oom=oom))
         context = (context + c) % 8192 if not oom else context
         chunks.append(c)
@@ -142,11 +144,11 @@ def test_closed_loop_steady_then_doubled_plant() -> None:
     assert sum(ooms[500:]) <= 2
     # settles before the change, and again after it
     for lo, hi, limit in ((0, 500, 60), (500, 1000, 150)):
-        final = statistics.median(chunks[hi - 100:hi])
+        final = statistics.median(chunks[hi - 100 : hi])
         settle = next(i for i in range(lo, hi) if all(abs(c - final) <= 0.05 * final for c in chunks[i:hi]))
         assert settle - lo <= limit, (lo, settle)
-        assert reversals(chunks[hi - 300:hi]) <= 4
-        assert statistics.median(peaks[hi - 300:hi]) >= 0.8 * statistics.median(usable[hi - 300:hi])
+        assert reversals(chunks[hi - 300 : hi]) <= 4
+        assert statistics.median(peaks[hi - 300 : hi]) >= 0.8 * statistics.median(usable[hi - 300 : hi])
     # the doubled plant gets about half the chunk
     before, after = statistics.median(chunks[400:500]), statistics.median(chunks[900:])
     assert 0.4 < after / before < 0.6

@@ -209,7 +209,7 @@ def test_metrics_and_controller_endpoints(server) -> None:  # noqa: ANN001
     # the per-step breakdown: every phase is there, the forward took time, and /metrics carries it
     phases = state["engine"]["step_phases_s"]
     assert set(phases) == set(PHASES) and phases["forward"] > 0 and min(phases.values()) >= 0
-    assert 'headroom_step_phase_seconds_total{model_name=' in httpx.get(server.url + "/metrics", timeout=30).text
+    assert "headroom_step_phase_seconds_total{model_name=" in httpx.get(server.url + "/metrics", timeout=30).text
     # a bad patch is a 400 in OpenAI's shape and changes nothing
     bad = httpx.patch(server.url + "/controller/config", json={"no_such_gain": 1}, timeout=30)
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
