@@ -104,6 +104,15 @@ def test_preemption_keeps_greedy_tokens(invariant_dtype, reference):
     assert llm.engine.allocator.num_used == 0
 
 
+def test_a_warm_up_leaves_no_trace(invariant_dtype, reference):
+    """The server's warm-up (TorchBackend.warm_up) writes the first blocks' KV before any request: the
+    blocks stay free and every greedy token is the same."""
+    llm = LLM("default", num_blocks=64, dtype=invariant_dtype)
+    assert llm.engine.backend.warm_up() > 0
+    assert llm.engine.allocator.num_used == 0
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+
+
 def test_engine_rejects_prompt_longer_than_context():
     engine = build_engine(engine_config(["--max-model-len", "64"]))
     from engine.llm_engine import RequestError

@@ -151,6 +151,7 @@ class AsyncEngine:
     max_waiting: int = 256
     on_step: list[Callable[[StepRecord], None]] = field(default_factory=list)
     on_finish: list[Callable[[Sequence], None]] = field(default_factory=list)
+    warm_up: Callable[[], None] | None = None  # run on the engine thread before its first step
 
     def __post_init__(self) -> None:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -285,6 +286,8 @@ class AsyncEngine:
     # ---- the loop (engine thread) ------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.warm_up is not None:
+                self.warm_up()
             while True:
                 if not self._drain(block=not self.engine.has_unfinished()):
                     break

@@ -59,8 +59,15 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
         )
         metrics.observe_request_finished(seq.prompt_len, len(seq.output_ids), seq.finish_reason or "abort", timing)
 
+    def warm_up() -> None:
+        logger.info("warm-up on the engine thread: %.2f s", backend.warm_up())
+
     server = AsyncEngine(
-        engine, scfg.max_waiting, on_step=[metrics.observe_step, trace.append], on_finish=[observe_finished]
+        engine,
+        scfg.max_waiting,
+        on_step=[metrics.observe_step, trace.append],
+        on_finish=[observe_finished],
+        warm_up=warm_up if ecfg.backend == "torch" else None,
     )
     config = getattr(backend, "config", None)
     ctx = AppContext(
