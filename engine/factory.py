@@ -30,12 +30,14 @@ def build_policy(cfg: EngineConfig) -> Policy:
 
 # The controller's defaults on a CPU whose memory is not a bound (`memory_bounded`). Its memory law lets a
 # burst of prompts into one prefill step of up to max_prefill_tokens (16,384) where memory allows, and there
-# it always does; but a CPU step's time grows with its tokens (about 1.5 s per 2,048 prompt tokens for the
-# default model on 2 cores), and every running decode waits for it. Capped at vLLM-CPU's step budget, bursts
-# of 64 prompts of 128 tokens started 11 % and 19 % sooner on average in two pairs of runs, for an output
-# rate 10 % lower and 6 % higher (bench/results/cpu_vs_vllm.md): latency first, as a server should. A config
-# file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
-CPU_CONTROLLER_DEFAULTS = {"max_prefill_tokens": 2048}
+# it always does; but a CPU step's time grows with its tokens (about 0.35 s per 512 prompt tokens for the
+# default model on 2 cores), and every running decode waits for it. Bursts of 64 prompts of 128 tokens
+# (`bench_vs_vllm --only headroom --concurrency 64`, alternated on one machine, bench/results/cpu_vs_vllm.md)
+# started on average after 3.1-3.4 s with 2,048-token steps, 2.6-2.7 s with 1,024 and 2.2-2.6 s with 512
+# (256: 2.2-2.3 s), at the same or a higher output rate (385-394, 414-430, 378-422 tok/s): the linears run
+# as fast at 512 rows as at 2,048, and decodes wait less. Prompts under 512 tokens, as at concurrency 1 and
+# 4 there, are not affected. A config file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
+CPU_CONTROLLER_DEFAULTS = {"max_prefill_tokens": 512}
 
 
 def memory_bounded(cfg: EngineConfig) -> bool:
