@@ -23,10 +23,10 @@ from collections.abc import Callable
 from operator import add
 from typing import Any
 
-from controller.admission import INF, decodes_that_fit, is_empty, largest_chunk, predict
+from controller.admission import INF, decodes_that_fit, is_empty, largest_chunk
 from controller.budget import MIB, BudgetTracker
 from controller.config import ControllerConfig
-from controller.estimator import PeakEstimator
+from controller.estimator import PeakEstimator, predict
 from controller.kv_pool import PoolSizer
 from controller.kv_reservation import KVReservation
 from controller.law import ControlLaw

@@ -21,22 +21,10 @@ from __future__ import annotations
 
 import math
 
+from controller.estimator import predict
 from telemetry.record import StepShape
 
 INF = float("inf")
-
-
-def predict(r: list[float], s: StepShape) -> float:
-    """Predicted step peak above idle (MiB) from raw coefficients r (MiB per feature unit)."""
-    return (
-        r[0]
-        + r[1] * s.prefill_tokens
-        + r[2] * s.prefill_seqs
-        + r[3] * s.decode_seqs
-        + r[4] * s.sum_context
-        + r[5] * s.prefill_attn
-        + r[6] * s.sampled_seqs
-    )
 
 
 def largest_chunk(r: list[float], shape: StepShape, context: int, chunk: int, limit: float) -> int:

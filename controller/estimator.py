@@ -50,6 +50,20 @@ def features(shape: StepShape) -> list[float]:
     ]
 
 
+def predict(r: list[float], s: StepShape) -> float:
+    """Predicted step peak above idle (MiB) from raw coefficients r (MiB per unit of each of FEATURES):
+    the estimator's own prediction, and admission's with its summed coefficient vectors."""
+    return (
+        r[0]
+        + r[1] * s.prefill_tokens
+        + r[2] * s.prefill_seqs
+        + r[3] * s.decode_seqs
+        + r[4] * s.sum_context
+        + r[5] * s.prefill_attn
+        + r[6] * s.sampled_seqs
+    )
+
+
 class _QuantileWindow:
     """Upper quantile of the last `size` values, re-sorted every few inserts; a new value above the
     cached quantile raises it at once (the margin grows immediately, shrinks lazily)."""
@@ -172,16 +186,7 @@ class PeakEstimator:
         return self._raw
 
     def predict(self, shape: StepShape) -> float:
-        r = self._raw
-        return (
-            r[0]
-            + r[1] * shape.prefill_tokens
-            + r[2] * shape.prefill_seqs
-            + r[3] * shape.decode_seqs
-            + r[4] * shape.sum_context
-            + r[5] * shape.prefill_attn
-            + r[6] * shape.sampled_seqs
-        )
+        return predict(self._raw, shape)
 
     def relative_margin(self, prefill: bool) -> float:
         """q such that peak <= pred + q * (pred + floor) + floor held on recent steps of this regime."""
