@@ -58,7 +58,9 @@ SIGNATURES = {
     "headroom_silu_mul": [_i32, _p, _p, _i64, _i32, _i32],
     "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
     "headroom_linear_bf16": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
+    "headroom_linear_available": [],
 }  # fmt: skip
+RESULTS = {"headroom_linear_available": ctypes.c_int}  # the functions that return something
 LINEAR_BLOCK = 16  # outputs per packed block of the linear kernel (engine/csrc/linear.cpp)
 
 
@@ -96,8 +98,7 @@ def build(cache_root: Path | None = None, compiler: str | None = None) -> Kernel
         return KernelBuild(None, f"loading {target} failed: {e}")
     for name, argtypes in SIGNATURES.items():
         getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = None
-    library.headroom_linear_available.argtypes, library.headroom_linear_available.restype = [], ctypes.c_int
+        getattr(library, name).restype = RESULTS.get(name)
     return KernelBuild(library, f"built with {Path(compiler).name} -march=native ({target.name})")
 
 

@@ -221,9 +221,10 @@ class TorchBackend:
     def warm_up(self) -> float:
         """A prefill of up to WARM_UP_TOKENS tokens and one decode step, into the pool's first blocks before
         any request holds them; returns the seconds. Run on the thread that will run the steps (OpenMP
-        starts a thread team per calling thread), it spares the first request the team's start and the
-        first touch of a step's buffers: on a 2-vCPU CPU the first request's two steps took 138 ms, the
-        next ones' 103-108."""
+        starts a thread team per calling thread), so the first request does not pay for the team's start
+        and the first touch of a step's buffers. In process, on a 2-vCPU CPU, the first 128-token prefill
+        took 116 ms where the next ones took 101; after a warm-up the first took 91 like the rest. Behind
+        the server the first request's forward is still slower than later ones (not explained)."""
         tokens = min(WARM_UP_TOKENS, self.max_model_len - 2)
         seq = Sequence("warm-up", [i % self.config.vocab_size for i in range(tokens)], WARM_UP_PARAMS, 2)
         seq.block_table = list(range(-(-(tokens + 1) // self.block_size)))
