@@ -4,11 +4,12 @@
 // them at about half this CPU's memory rate (bench/results/cpu_kernels.md); and its kernels promise
 // nothing about summation order, so a row could round differently with the batch's size.
 //
-// Summation order: W is packed in blocks of 16 outputs, [N/16][K/2][16][2] (`pack_linear_weight`), so one
-// 512-bit load holds the next pair of inputs' weights for 16 outputs. Output n's fp32 accumulator adds the
-// K/2 pairs x[2p]*W[n][2p] + x[2p+1]*W[n][2p+1] in order p = 0, 1, ...; it is rounded to bf16 once. Which
-// rows share a tile, how many rows the batch has and which thread runs a tile change none of that: a row's
-// output is bitwise the same alone or batched (batch invariance by construction).
+// Summation order: W is packed in blocks of 16 outputs, [N/16][K/2][16][2] (engine/cpu_kernels.py
+// `pack_linear`), so one 512-bit load holds the next pair of inputs' weights for 16 outputs. Output n's
+// fp32 accumulator adds the K/2 pairs x[2p]*W[n][2p] + x[2p+1]*W[n][2p+1] in order p = 0, 1, ...; it is
+// rounded to bf16 once. Which rows share a tile, how many rows the batch has and which thread runs a tile
+// change none of that: a row's output is bitwise the same alone or batched (batch invariance by
+// construction).
 #include <cstdint>
 #include <cstring>
 
