@@ -17,12 +17,13 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from bench.loadgen import load_trace, run_closed_loop, run_trace
+from bench.loadgen import RunResult, load_trace, run_closed_loop, run_trace
 from bench.report import latency_table, markdown_table, metrics
 from bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.cli import add_config_flags, config_from_args
 from engine.config import EngineConfig
-from engine.factory import build_backend, build_engine
+from engine.factory import build_backend, build_engine, sizes_kv_pool
+from engine.llm_engine import LLMEngine
 
 
 def parse_points(text: str) -> list[tuple[int, int, int]]:
@@ -46,9 +47,15 @@ def run_point(
     n = num_prompts or num_requests(point)
     t = time.perf_counter()
     run = run_closed_loop(engine, con, n, inp, out, fast=fast)
-    m = metrics(run, policy=cfg.policy, concurrency=con, input_len=inp, output_len=out, num_prompts=n)
-    m["kv_pool_peak_blocks"] = engine.allocator.peak_blocks
+    m = _metrics(engine, run, policy=cfg.policy, concurrency=con, input_len=inp, output_len=out, num_prompts=n)
     m["wall_s"] = round(time.perf_counter() - t, 3)
+    return m
+
+
+def _metrics(engine: LLMEngine, run: RunResult, **labels: object) -> dict[str, object]:
+    """A run's metrics and the largest KV pool it ran with (a controller-sized pool moves)."""
+    m = metrics(run, **labels)
+    m["kv_pool_peak_blocks"] = engine.allocator.peak_blocks
     return m
 
 
@@ -63,6 +70,8 @@ def _settings(cfg: EngineConfig) -> dict[str, object]:
     if cfg.backend == "twin":  # cheap to build: resolve the defaults exactly as the runs do
         b = build_backend(cfg)
         settings.update(profile=cfg.profile, model=b.model_name, num_blocks=b.num_blocks, block_size=b.block_size)
+    if sizes_kv_pool(cfg):
+        settings["num_blocks"] = "sized by the controller (each point's kv_pool_peak_blocks)"
     return settings
 
 
@@ -102,7 +111,7 @@ def _replay(cfg: EngineConfig, args: argparse.Namespace) -> int:
     doc = _settings(cfg)
     engine = build_engine(cfg)
     run = run_trace(engine, reqs, fast=not args.no_fast_path)
-    point = metrics(run, policy=cfg.policy, trace=str(args.trace), num_prompts=len(reqs))
+    point = _metrics(engine, run, policy=cfg.policy, trace=str(args.trace), num_prompts=len(reqs))
     doc["wall_s"] = round(time.perf_counter() - t, 2)
     doc["points"] = [point]
     _write(args, doc, latency_table(point))

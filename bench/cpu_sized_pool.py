@@ -14,13 +14,16 @@ own resize path between steps).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.reliability import cpu_model, load_average, vector_flags
 from bench.report_io import write_report
 from engine.cli import engine_config
+from engine.dtype_choice import read_cpu_facts
 from engine.factory import build_engine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -102,13 +105,14 @@ def report(out: Outcome, args: argparse.Namespace) -> list[str]:
         f"{out.requests} requests added at once, prompts uniform in [{args.min_prompt}, {args.max_prompt}] tokens "
         f"({out.prompt_tokens} in all), max_tokens uniform in [1, {args.max_tokens}], seed {args.seed}.",
         "",
-        "## The sized pool (start-up profiling step)",
+        "## The sized pool (start-up profiling steps)",
         "",
         f"- {s.get('num_blocks')} blocks of {s.get('block_bytes', 0) / MIB:.3f} MiB = "
         f"{s.get('num_blocks', 0) * s.get('block_bytes', 0) / MIB:.0f} MiB",
         f"- capacity {s.get('capacity', 0) / MIB:.0f} MiB; idle without the pool "
         f"{s.get('idle_without_pool', 0) / MIB:.0f} MiB; reserve {s.get('reserve', 0) / MIB:.0f} MiB "
-        f"(profiled {s.get('profiled_tokens')}-token prefill x {s.get('profile_steps')}); headroom "
+        f"(the most of {s.get('profile_steps')} profiling steps: a {s.get('profiled_tokens')}-token prefill twice, "
+        f"then a decode batch); headroom "
         f"{s.get('headroom', 0) / MIB:.0f} MiB; outside {s.get('external', 0) / MIB:.0f} MiB",
         "",
         "## The run",
@@ -141,10 +145,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    load_before = load_average()
     engine = build(a.device_memory, a.dtype)
     out = run(engine, a.requests, a.min_prompt, a.max_prompt, a.max_tokens, a.seed)
     out.resize_cost = time_resizes(engine, a.resize_blocks)
-    write_report(a.out, report(out, a), out.__dict__)
+    machine = (
+        f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, flags (vector/matrix): "
+        f"{' '.join(vector_flags(read_cpu_facts().flags))}; load average {load_before} before the run, "
+        f"{load_average()} after."
+    )
+    write_report(a.out, [*report(out, a), "", machine], out.__dict__)
 
 
 if __name__ == "__main__":

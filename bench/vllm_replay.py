@@ -40,6 +40,7 @@ def table(runs: dict[str, dict]) -> list[str]:
         lines.append(f"| {label} | " + " | ".join(fmt.format(r[key]) for r in runs.values()) + " |")
 
     for label, key in (
+        ("KV pool, blocks of 16 (largest)", "kv_pool_peak_blocks"),
         ("completed", "completed"),
         ("failed", "failed"),
         ("OOMs", "ooms"),
@@ -80,10 +81,13 @@ def main() -> None:
         "",
         f"Trace `{trace.name}` (bench/synthetic.py, seed 0): {len(records)} requests over {span:.1f} s "
         f"(Poisson, {len(records) / span:.1f}/s), input tokens mean {sum(ins) / len(ins):.0f} (max {max(ins)}), "
-        f"output tokens mean {sum(outs) / len(outs):.0f} (max {max(outs)}). Twin profile `{PROFILE}`: 2588 KV "
-        "blocks of 16 for both policies (no controller-sized pool exists yet). Latencies are twin numbers "
-        "(virtual time). At 10 requests/s this load is far beyond what 41,408 KV tokens serve, so TTFT is "
-        "queueing.",
+        f"output tokens mean {sum(outs) / len(outs):.0f} (max {max(outs)}). Twin profile `{PROFILE}`. KV pool: "
+        "vllm has the held-out run's 2588 blocks of 16 (41,408 tokens, `gpu_memory_utilization` 0.9); adaptive "
+        "has no `--num-blocks`, so the controller sizes its pool at start-up from what its profiling steps "
+        "measured (engine/kv_pool.py) and resizes it online. Prefix caching is on for both (as in the held-out "
+        "run): the trace's prompts share nothing, so the hits are a preempted request's own blocks when it is "
+        "recomputed. Latencies are twin numbers (virtual time). At 10 requests/s this load is far beyond what "
+        "either pool serves, so TTFT is queueing.",
         "",
         f"Acceptance (vllm: 0 failed, 0 OOMs, wall < {WALL_LIMIT_S:.0f} s): {'holds' if holds else 'FAILS'}.",
         "",

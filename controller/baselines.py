@@ -41,13 +41,14 @@ class VllmPolicy(StaticPolicy):
     rules and under the controller on the same twin: max_num_seqs 256, max_num_batched_tokens 2048, chunked
     prefill with running requests (decodes) first and prompt chunks filling the rest of the token budget
     (so at most one prefill is partial), FCFS, KV blocks allocated as tokens arrive (no reservation) and
-    preemption by recompute when decode runs out of them."""
+    preemption by recompute of the newest running request when decode runs out of them."""
 
     name = "vllm"
 
     def __init__(self) -> None:
-        # Limits' defaults are vLLM's rules already: mixed steps, decodes first, chunked prefill, no reservation.
-        super().__init__(Limits(max_num_seqs=256, max_batched_tokens=2048))
+        # Limits' defaults are vLLM's other rules already: mixed steps, decodes first, chunked prefill, no
+        # reservation.
+        super().__init__(Limits(max_num_seqs=256, max_batched_tokens=2048, preempt_newest=True))
 
 
 class SeedStaticPolicy(StaticPolicy):

@@ -173,3 +173,19 @@ def test_reserve_stays_low_while_the_free_blocks_are_owed_to_a_recompute():
     pol._step_chunks = 1
     pol.observe(rec)
     assert not pol.pool.kv_bound
+
+
+def test_vllm_twin_pool_leaves_room_for_the_largest_decode_batch():
+    """vLLM computes logits for sampled rows only, so a 1024-token profiling prefill samples one row. Sized
+    from it alone, the pool left a 2 MiB reserve and the controller decoded one sequence a step (57 tok/s
+    on bench/vllm_replay.py's trace). The decode profile at max_decode_seqs rows keeps room for a batch."""
+    e = twin_engine("--profile", "rtx4090-llama3.1-8b-vllm")
+    assert e.policy.pool.sizing["profile_steps"] == 3
+    assert e.policy.pool.sizing["reserve"] > 200 * MIB  # 256 rows of fp32 logits and probabilities
+    for i in range(96):
+        e.add_request(f"r{i}", [1 + i] * 32, SamplingParams(max_tokens=64, ignore_eos=True))
+    batches: list[int] = []
+    e.step_listeners.append(lambda record, batch: batches.append(batch.shape.decode_seqs))
+    while e.has_unfinished():
+        e.step()
+    assert max(batches) >= 64 and e.ooms == 0

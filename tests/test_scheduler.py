@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.baselines import FixedPolicy, SeedStaticPolicy
+from controller.baselines import FixedPolicy, SeedStaticPolicy, VllmPolicy
 from engine.llm_engine import LLMEngine, RequestError
 from engine.sampling_params import SamplingParams
 from tests.fake_backend import FakeBackend
@@ -242,3 +242,20 @@ def test_a_backend_that_cannot_swap_preempts_by_recompute():
     engine = LLMEngine(backend, vllm_like(preempt_by_swap=True))
     assert run(engine, PROMPTS) == alone(PROMPTS)
     assert engine.scheduler.num_preemptions > 0 and backend.swapped_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "policy,victim", [(VllmPolicy(), "newest"), (vllm_like(kv_reserve_extra_tokens=0), "nearly-done")]
+)
+def test_the_preemption_victim_follows_the_policy(policy, victim):
+    """vLLM v1 preempts the newest running request (`running.pop()`); our default evicts the one closest to
+    its max_tokens."""
+    engine = LLMEngine(FakeBackend(num_blocks=6, block_size=4), policy)
+    for i, (rid, max_tokens) in enumerate((("oldest", 8), ("nearly-done", 2), ("newest", 8))):
+        prompt = [10 * i + j for j in range(2, 10)]  # 8 tokens: 2 blocks each, so three fill the pool
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    steps = []
+    engine.step_listeners.append(lambda record, batch: steps.append(batch))
+    engine.step()  # three prefills
+    engine.step()  # "oldest" needs a third block: a victim goes
+    assert [s.request_id for s in steps[1].preempted] == [victim]
