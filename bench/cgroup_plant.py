@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.reliability import load_average, machine_line
 from bench.report_io import write_report
 from bench.server_process import free_port, stop
 from telemetry.probes.cgroup import CgroupMemory
@@ -236,8 +237,9 @@ def main() -> None:
     except OSError as e:
         print(f"skipped: no memory cgroup can be made here ({e})")
         return
+    load_before = load_average()
     runs = [run(policy, limit, a) for policy in a.policies]
-    write_report(a.out, report(runs, a), [r.__dict__ for r in runs])
+    write_report(a.out, [*report(runs, a), "", machine_line(load_before)], [r.__dict__ for r in runs])
 
 
 if __name__ == "__main__":

@@ -14,16 +14,14 @@ own resize path between steps).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.reliability import cpu_model, load_average, vector_flags
+from bench.reliability import load_average, machine_line
 from bench.report_io import write_report
 from engine.cli import engine_config
-from engine.dtype_choice import read_cpu_facts
 from engine.factory import build_engine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -149,12 +147,7 @@ def main() -> None:
     engine = build(a.device_memory, a.dtype)
     out = run(engine, a.requests, a.min_prompt, a.max_prompt, a.max_tokens, a.seed)
     out.resize_cost = time_resizes(engine, a.resize_blocks)
-    machine = (
-        f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, flags (vector/matrix): "
-        f"{' '.join(vector_flags(read_cpu_facts().flags))}; load average {load_before} before the run, "
-        f"{load_average()} after."
-    )
-    write_report(a.out, [*report(out, a), "", machine], out.__dict__)
+    write_report(a.out, [*report(out, a), "", machine_line(load_before)], out.__dict__)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,17 @@ def vector_flags(flags: Iterable[str]) -> list[str]:
     return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
 
 
+def machine_line(load_before: str) -> str:
+    """The line a CPU benchmark's report ends with: the CPU, its flags, and the load around the run."""
+    from engine.dtype_choice import read_cpu_facts
+
+    return (
+        f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, flags (vector/matrix): "
+        f"{' '.join(vector_flags(read_cpu_facts().flags))}; load average {load_before} before the run, "
+        f"{load_average()} after."
+    )
+
+
 def openai_error_problem(body: Any) -> str | None:
     """Why `body` is not an OpenAI error ({"error": {"message", "type", "param", "code"}}), or None."""
     if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):

@@ -28,16 +28,26 @@ def build_policy(cfg: EngineConfig) -> Policy:
     return FixedPolicy(**{LIMIT_NAMES.get(k, k): v for k, v in cfg.fixed_caps().items()})
 
 
-# The controller's defaults on a CPU whose memory is not a bound (`memory_bounded`). Its memory law lets a
-# burst of prompts into one prefill step of up to max_prefill_tokens (16,384) where memory allows, and there
-# it always does; but a CPU step's time grows with its tokens (about 0.35 s per 512 prompt tokens for the
-# default model on 2 cores), and every running decode waits for it. Bursts of 64 prompts of 128 tokens
-# (`bench_vs_vllm --only headroom --concurrency 64`, alternated on one machine, bench/results/cpu_vs_vllm.md)
-# started on average after 3.1-3.4 s with 2,048-token steps, 2.6-2.7 s with 1,024 and 2.2-2.6 s with 512
-# (256: 2.2-2.3 s), at the same or a higher output rate (385-394, 414-430, 378-422 tok/s): the linears run
-# as fast at 512 rows as at 2,048, and decodes wait less. Prompts under 512 tokens, as at concurrency 1 and
-# 4 there, are not affected. A config file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
-CPU_CONTROLLER_DEFAULTS = {"max_prefill_tokens": 512}
+# The controller's defaults on every CPU plant. The CPU probe counts tensor bytes exactly (telemetry/probes/
+# cpu.py): none of the CUDA caching allocator's 2 MiB and 20 MiB segment rounding, which the 16 MiB default
+# margin floor covers. There the floor, under each step's bound and under what a step retains, took 48 of
+# the 50 MiB the sized pool leaves for steps (default model, float32, 4 GiB); admission's threshold was
+# 1 MiB, so `bench/cgroup_plant.py`'s burst of 8 prompts of 1536 tokens went through in 32-token chunks. In
+# a 4 GiB memory cgroup (`--limit 4GiB`, once each) adaptive took 180 s with the 16 MiB floor and 52 s with
+# 1 MiB, where `fixed` took 56-59 s; the same load under `--device-memory 4GiB` in process, 176 s and 51 s
+# (chunks of 800-960 tokens).
+CPU_CONTROLLER_DEFAULTS: dict[str, float] = {"margin_floor_mib": 1.0}
+
+# And on a CPU whose memory is not a bound (`memory_bounded`). Its memory law lets a burst of prompts into
+# one prefill step of up to max_prefill_tokens (16,384) where memory allows, and there it always does; but a
+# CPU step's time grows with its tokens (about 0.35 s per 512 prompt tokens for the default model on 2
+# cores), and every running decode waits for it. Bursts of 64 prompts of 128 tokens (`bench_vs_vllm --only
+# headroom --concurrency 64`, alternated on one machine, bench/results/cpu_vs_vllm.md) started on average
+# after 3.1-3.4 s with 2,048-token steps, 2.6-2.7 s with 1,024 and 2.2-2.6 s with 512 (256: 2.2-2.3 s), at
+# the same or a higher output rate (385-394, 414-430, 378-422 tok/s): the linears run as fast at 512 rows as
+# at 2,048, and decodes wait less. Prompts under 512 tokens, as at concurrency 1 and 4 there, are not
+# affected. A config file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
+CPU_UNBOUNDED_DEFAULTS: dict[str, float] = {"max_prefill_tokens": 512}
 
 
 def memory_bounded(cfg: EngineConfig) -> bool:
@@ -51,14 +61,16 @@ def memory_bounded(cfg: EngineConfig) -> bool:
     )
 
 
-def controller_defaults(cfg: EngineConfig) -> dict[str, int]:
-    """The adaptive controller's defaults for this engine's plant: CPU_CONTROLLER_DEFAULTS on a CPU whose
-    memory is not a bound (there latency binds first), none elsewhere."""
-    if memory_bounded(cfg):
+def controller_defaults(cfg: EngineConfig) -> dict[str, float]:
+    """The adaptive controller's defaults for this engine's plant: CPU_CONTROLLER_DEFAULTS on a CPU, with
+    CPU_UNBOUNDED_DEFAULTS where its memory is not a bound (there latency binds first); none elsewhere."""
+    if cfg.backend == "twin":
         return {}
     from engine.torch_backend import resolve_device
 
-    return CPU_CONTROLLER_DEFAULTS if resolve_device(cfg.device).type == "cpu" else {}
+    if resolve_device(cfg.device).type != "cpu":
+        return {}
+    return CPU_CONTROLLER_DEFAULTS if memory_bounded(cfg) else CPU_CONTROLLER_DEFAULTS | CPU_UNBOUNDED_DEFAULTS
 
 
 def build_backend(cfg: EngineConfig) -> Backend:

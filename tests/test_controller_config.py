@@ -128,13 +128,16 @@ def test_plant_defaults_come_before_the_file_and_the_environment(tmp_path) -> No
     assert load_config(None, env=env, plant_defaults=plant).max_prefill_tokens == 4096
 
 
-def test_the_engine_caps_prefill_steps_on_a_cpu_whose_memory_does_not_bind() -> None:
+def test_the_engine_sets_cpu_plant_defaults_and_caps_prefill_only_where_memory_does_not_bind() -> None:
     from engine.config import EngineConfig
-    from engine.factory import CPU_CONTROLLER_DEFAULTS, build_policy
+    from engine.factory import CPU_CONTROLLER_DEFAULTS, CPU_UNBOUNDED_DEFAULTS, build_policy
 
-    cpu = build_policy(EngineConfig(policy="adaptive", device="cpu"))
-    cap = CPU_CONTROLLER_DEFAULTS["max_prefill_tokens"]
-    assert cpu.cfg.max_prefill_tokens == cap < ControllerConfig().max_prefill_tokens
-    for bounded in (EngineConfig(policy="adaptive", backend="twin"),
-                    EngineConfig(policy="adaptive", device="cpu", device_memory="2GiB")):  # fmt: skip
-        assert build_policy(bounded).cfg == ControllerConfig()  # memory binds there: the controller's own
+    floor = CPU_CONTROLLER_DEFAULTS["margin_floor_mib"]
+    cap = CPU_UNBOUNDED_DEFAULTS["max_prefill_tokens"]
+    cpu = build_policy(EngineConfig(policy="adaptive", device="cpu")).cfg
+    assert cpu.max_prefill_tokens == cap < ControllerConfig().max_prefill_tokens
+    assert cpu.margin_floor_mib == floor < ControllerConfig().margin_floor_mib
+    bounded = build_policy(EngineConfig(policy="adaptive", device="cpu", device_memory="2GiB")).cfg
+    assert (bounded.margin_floor_mib, bounded.max_prefill_tokens) == (floor, ControllerConfig().max_prefill_tokens)
+    twin = build_policy(EngineConfig(policy="adaptive", backend="twin")).cfg
+    assert twin == ControllerConfig()  # the CUDA allocator's rounding is modelled there: the controller's own
