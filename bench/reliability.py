@@ -53,6 +53,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report_io import write_report
 from bench.server_process import stop
+from engine.dtype_choice import read_cpu_facts
 from engine.server.standin import FILLER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,12 +147,10 @@ def vector_flags(flags: Iterable[str]) -> list[str]:
 
 def machine_line(load_before: str) -> str:
     """The line a CPU benchmark's report ends with: the CPU, its flags, and the load around the run."""
-    from engine.dtype_choice import read_cpu_facts
-
+    facts = read_cpu_facts()
     return (
-        f"Machine: {cpu_model()}, {os.cpu_count()} CPUs, flags (vector/matrix): "
-        f"{' '.join(vector_flags(read_cpu_facts().flags))}; load average {load_before} before the run, "
-        f"{load_average()} after."
+        f"Machine: {facts.model or 'unknown'}, {os.cpu_count()} CPUs, flags (vector/matrix): "
+        f"{' '.join(vector_flags(facts.flags))}; load average {load_before} before the run, {load_average()} after."
     )
 
 
