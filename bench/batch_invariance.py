@@ -1,4 +1,4 @@
-"""Which linear kernels are batch-invariant on this CPU: engine/batch_invariance.py's probe on the default
+"""Which linear kernels are batch-invariant on this CPU: engine/model/batch_invariance.py's probe on the default
 model's shapes, for fp32 and bf16, unpadded and padded to several row counts. Prints a markdown table
 (the first mismatch found, or "invariant") and the facts `--dtype auto` decides from.
 
@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.batch_invariance import linear_row_mismatch  # noqa: E402
-from engine.dtype_choice import choose_dtype, read_cpu_facts  # noqa: E402
-from engine.loaders import load  # noqa: E402
+from engine.model.batch_invariance import linear_row_mismatch  # noqa: E402
+from engine.model.dtype_choice import choose_dtype, read_cpu_facts  # noqa: E402
+from engine.model.loaders import load  # noqa: E402
 
 MIN_ROWS = (1, 2, 8, 16)
 

@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from engine.kv_cache import BlockAllocator
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, ScheduledSeq
-from engine.sequence import Sequence
-from engine.torch_backend import TorchBackend
+from engine.backends.torch_backend import TorchBackend
+from engine.core.kv_cache import BlockAllocator
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch, ScheduledSeq
+from engine.core.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=None)
 
@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--prefill-repeats", type=int, default=2)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=300)
-    p.add_argument("--attention", default="auto", help="attention kernel (engine/kernel_choice.py)")
+    p.add_argument("--attention", default="auto", help="attention kernel (engine/model/kernel_choice.py)")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     args = p.parse_args()
 

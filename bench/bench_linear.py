@@ -1,4 +1,4 @@
-"""The bf16 linear kernel (engine/csrc/linear.cpp) against oneDNN's prepacked linear, as the model ran it
+"""The bf16 linear kernel (engine/model/csrc/linear.cpp) against oneDNN's prepacked linear, as the model ran it
 before (inputs padded to BF16_MIN_ROWS rows), on the default model's shapes: microseconds per call, weight
 GB/s and GFLOP/s, for several row counts. Each timing cycles over COPIES copies of the weight (about the
 L3's size for the smaller shapes), so that a call mostly reads its weight from memory, as in a step where
@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.batch_invariance import BF16_MIN_ROWS, padded_linear, prepacked  # noqa: E402
-from engine.cpu_kernels import linear_unusable_reason, pack_linear  # noqa: E402
-from engine.dtype_choice import read_cpu_facts  # noqa: E402
+from engine.model.batch_invariance import BF16_MIN_ROWS, padded_linear, prepacked  # noqa: E402
+from engine.model.cpu_kernels import linear_unusable_reason, pack_linear  # noqa: E402
+from engine.model.dtype_choice import read_cpu_facts  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))  # (in, out): qkv, o, gate_up, down, head
 COPIES = 30

@@ -28,8 +28,8 @@ import httpx
 
 
 def export_tokenizer(out: Path) -> None:
-    from engine.loaders import default_model_path
-    from engine.loaders.gguf import GGUFFile
+    from engine.model.loaders import default_model_path
+    from engine.model.loaders.gguf import GGUFFile
 
     tok = GGUFFile(default_model_path()).tokenizer("default")
     out.mkdir(parents=True, exist_ok=True)

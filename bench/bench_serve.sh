@@ -27,7 +27,7 @@ cd "$ROOT"
 "$PY" bench/bench_serve.py export-tokenizer "$OUT/tokenizer" >/dev/null
 
 # shellcheck disable=SC2086
-"$PY" -m engine.server.cli --port 0 --served-model-name smollm2 $SERVE_FLAGS >"$OUT/server.log" 2>&1 &
+"$PY" -m engine.serving.cli --port 0 --served-model-name smollm2 $SERVE_FLAGS >"$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do

@@ -3,7 +3,7 @@ against a CPU decode step, to check the <= 2% budget.
 
     .venv/bin/python bench/bench_telemetry.py [--steps 30] [--sample-every 8 16 32]
 
-The decode step is a real SmolLM2 step (engine.torch_backend.TorchBackend("default"), batch 8) when
+The decode step is a real SmolLM2 step (engine.backends.torch_backend.TorchBackend("default"), batch 8) when
 that module exists, otherwise a toy forward with SmolLM2-135M's shapes (random weights, 30 layers,
 hidden 576, GQA 9/3 heads, fused qkv and gate/up, KV cache written in place and gathered per step):
 the same op count and matmul sizes, which is what the tracker's cost and the step time depend on.
@@ -110,18 +110,18 @@ def count_ops(fn: Callable[[], object]) -> int:
     return probe.ops_tracked
 
 
-# ---- real backend (when engine/torch_backend.py exists) ---------------------------------------------
+# ---- real backend (when engine/backends/torch_backend.py exists) ---------------------------------------------
 
 
 def real_decode_step() -> tuple[Callable[[], object], Callable[[object], None], str] | None:
     """A closure running one real engine decode step at batch 8, and a setter for the backend's probe."""
-    if importlib.util.find_spec("engine.torch_backend") is None:
+    if importlib.util.find_spec("engine.backends.torch_backend") is None:
         return None
     from controller.baselines import FixedPolicy
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.core.llm_engine import LLMEngine
+    from engine.core.sampling_params import SamplingParams
 
-    backend = importlib.import_module("engine.torch_backend").TorchBackend("default")
+    backend = importlib.import_module("engine.backends.torch_backend").TorchBackend("default")
     engine = LLMEngine(backend, FixedPolicy())
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     for i in range(BATCH):
@@ -211,7 +211,7 @@ def main() -> None:
 
         desc = (
             f"toy SmolLM2-135M-shaped decode step ({dtype}, batch {BATCH}, context {CONTEXT}); "
-            "engine/torch_backend.py not present"
+            "engine/backends/torch_backend.py not present"
         )
 
     # Round robin (null, sampled, unsampled), rotating the order each round, so load drift on a shared

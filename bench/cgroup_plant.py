@@ -6,7 +6,7 @@ prompts dies, while `adaptive` with the sized pool reads the same limit (telemet
 stays under it.
 
 For each policy the script makes a fresh memory cgroup (v1 `memory.limit_in_bytes` or v2 `memory.max`;
-root only), starts `python -m engine.server.cli` (CPU, default model, float32) inside it, on 127.0.0.1,
+root only), starts `python -m engine.serving.cli` (CPU, default model, float32) inside it, on 127.0.0.1,
 starts `--decodes` long decodes, waits until they run, then sends a burst of `--burst` long prompts. It
 reports requests done, the cgroup's peak (v1 `memory.max_usage_in_bytes`, v2 `memory.peak`) against the
 limit, whether the server died and by which signal, and the kernel's OOM-kill count (v1
@@ -93,7 +93,7 @@ class PlantCgroup:
 def start_server(policy: str, port: int, cgroup: PlantCgroup) -> subprocess.Popen:
     """The server, joined to the cgroup before it execs, so every byte it allocates is charged there."""
     procs = cgroup.procs
-    argv = [sys.executable, "-m", "engine.server.cli", "--device", "cpu", "--dtype", "float32"]
+    argv = [sys.executable, "-m", "engine.serving.cli", "--device", "cpu", "--dtype", "float32"]
     argv += ["--policy", policy, "--host", "127.0.0.1", "--port", str(port)]
     return subprocess.Popen(
         argv,
@@ -196,7 +196,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> list[str]:
     lines = [
         "# The real plant: the server in a memory cgroup (issue #15)",
         "",
-        f"`python -m bench.cgroup_plant --limit {args.limit} --out {args.out}`: `python -m engine.server.cli` "
+        f"`python -m bench.cgroup_plant --limit {args.limit} --out {args.out}`: `python -m engine.serving.cli` "
         f"(CPU, default model, `--dtype float32`) in a fresh v{runs[0].cgroup_version} memory cgroup per run, "
         f"limit {args.limit}; {args.decodes} decodes (32-token prompts, {args.decode_tokens} tokens), then after "
         f"{args.burst_after:g} s a burst of {args.burst} prompts of {args.burst_len} tokens (16 tokens each).",

@@ -22,8 +22,8 @@ from bench.report import latency_table, markdown_table, metrics
 from bench.seed_matrix import SEED_MATRIX, num_requests
 from engine.cli import add_config_flags, config_from_args
 from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.factory import build_backend, build_engine, sizes_kv_pool
-from engine.llm_engine import LLMEngine
 
 
 def parse_points(text: str) -> list[tuple[int, int, int]]:

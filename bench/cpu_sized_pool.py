@@ -22,9 +22,9 @@ from pathlib import Path
 from bench.reliability import load_average, machine_line
 from bench.report_io import write_report
 from engine.cli import engine_config
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
 from engine.factory import build_engine
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 MIB = 1 << 20
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # ordinary token ids of SmolLM2's vocabulary

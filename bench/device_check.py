@@ -27,16 +27,16 @@ from typing import Any
 import torch
 
 from controller.baselines import FixedPolicy
-from engine.kv_cache import ResizePlan
-from engine.llm_engine import LLMEngine
-from engine.loaders.random_model import random_llama
-from engine.model import ModelConfig
-from engine.sampling_params import SamplingParams
-from engine.torch_backend import TorchBackend
-from engine.twin.backend import TwinBackend
-from engine.twin.latency import LatencyModel
-from engine.twin.memory import MemoryModel, StepMemory
-from engine.twin.profile import load_profile
+from engine.backends.torch_backend import TorchBackend
+from engine.backends.twin.backend import TwinBackend
+from engine.backends.twin.latency import LatencyModel
+from engine.backends.twin.memory import MemoryModel, StepMemory
+from engine.backends.twin.profile import load_profile
+from engine.core.kv_cache import ResizePlan
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.model.llama import ModelConfig
+from engine.model.loaders.random_model import random_llama
 
 RESULTS = Path("bench/results/device_check")
 # Llama-3.1's rope (HF config.json of meta-llama/Llama-3.1-8B): not in the twin profile, which models memory

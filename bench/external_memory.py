@@ -20,9 +20,9 @@ from pathlib import Path
 
 from bench.report_io import write_report
 from engine.cli import engine_config
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
 from engine.factory import build_engine
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from telemetry.record import StepRecord
 
 GIB = 1 << 30

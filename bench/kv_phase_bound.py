@@ -48,8 +48,8 @@ from pathlib import Path
 
 from bench.controller_acceptance import load
 from bench.report_io import write_report
-from engine.twin.latency import LatencyModel, StepWork
-from engine.twin.profile import DEFAULT_PROFILE, load_profile
+from engine.backends.twin.latency import LatencyModel, StepWork
+from engine.backends.twin.profile import DEFAULT_PROFILE, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

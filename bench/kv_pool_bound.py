@@ -28,9 +28,9 @@ import math
 from pathlib import Path
 
 from bench.seed_matrix import num_requests
+from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.cli import engine_config
 from engine.factory import build_engine
-from engine.twin.latency import LatencyModel, StepWork
 
 ROOT = Path(__file__).resolve().parents[1]
 MATRIX = ROOT / "bench/results/matrix"

@@ -27,8 +27,8 @@ from bench.report_io import write_report
 from bench.seed_matrix import num_requests
 from engine.cli import add_config_flags, config_from_args
 from engine.config import EngineConfig
+from engine.core.scheduler import ScheduledBatch
 from engine.factory import build_engine
-from engine.scheduler import ScheduledBatch
 from telemetry.record import StepRecord
 
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from controller.policy import StaticPolicy
-from engine.llm_engine import EngineDeadError, LLMEngine, RequestError
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence, Status
+from engine.core.llm_engine import EngineDeadError, LLMEngine, RequestError
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch
+from engine.core.sequence import Sequence, Status
 from telemetry.record import StepRecord
 
 PROMPT_VOCAB = 100_000  # filler prompt ids stay below the special tokens (Llama 3: >= 128000)

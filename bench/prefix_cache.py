@@ -29,7 +29,7 @@ import httpx
 from bench.bench_serve import stream_chunks
 from bench.reliability import Server, cpu_model, load_average, vector_flags
 from bench.report_io import write_report
-from engine.dtype_choice import read_cpu_facts
+from engine.model.dtype_choice import read_cpu_facts
 
 SYSTEM_PROMPT = (
     "You are Atlas, the support assistant of Northwind Outfitters, an online shop for hiking and camping gear. "

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 
 from bench.report_io import write_report
-from engine.ray_serve.replica import REPLICA_HEADER
+from engine.serving.ray_serve.replica import REPLICA_HEADER
 
 READY = re.compile(r"Headroom ready at (http://\S+)")
 START_TIMEOUT_S = 300
@@ -109,7 +109,7 @@ def fleet_ooms(url: str) -> float:
 
 
 def run_router(router: str, replicas: int, planned: list[Planned]) -> dict:
-    cmd = [sys.executable, "-m", "engine.server.cli", "--backend", "twin", "--replicas", str(replicas),
+    cmd = [sys.executable, "-m", "engine.serving.cli", "--backend", "twin", "--replicas", str(replicas),
            "--router", router, "--port", "0", "--log-level", "warning"]  # fmt: skip
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

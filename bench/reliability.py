@@ -53,8 +53,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report_io import write_report
 from bench.server_process import stop
-from engine.dtype_choice import read_cpu_facts
-from engine.server.standin import FILLER
+from engine.model.dtype_choice import read_cpu_facts
+from engine.serving.standin import FILLER
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"Headroom ready at (http://\S+)")
@@ -175,7 +175,7 @@ class Server:
     context manager."""
 
     def __init__(self, flags: list[str], log: Path, backend: str = "twin") -> None:
-        self.argv = ["-m", "engine.server.cli", "--backend", backend, "--host", "127.0.0.1", "--port", "0", *flags]
+        self.argv = ["-m", "engine.serving.cli", "--backend", backend, "--host", "127.0.0.1", "--port", "0", *flags]
         self.log = log
         self.url = ""
         self.proc: subprocess.Popen | None = None

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.core.sampler import Sampler
+from engine.core.sampling_params import SamplingParams
 
 MIXES: dict[str, list[SamplingParams]] = {
     "greedy": [SamplingParams(temperature=0)],

@@ -106,12 +106,12 @@ def stages() -> list[tuple[str, int]]:
     import torch
 
     out.append(("import torch", rss()["VmRSS"]))
-    import engine.server.launch  # noqa: F401 - the server's imports (fastapi, the engine, telemetry)
-    from engine.attention import allocate_kv_cache, build_attention_metadata
-    from engine.dtype_choice import choose_dtype
-    from engine.loaders import load
-    from engine.loaders.cache import ModelCache
-    from engine.torch_backend import CPU_KV_TOKENS
+    import engine.serving.launch  # noqa: F401 - the server's imports (fastapi, the engine, telemetry)
+    from engine.backends.torch_backend import CPU_KV_TOKENS
+    from engine.model.attention import allocate_kv_cache, build_attention_metadata
+    from engine.model.dtype_choice import choose_dtype
+    from engine.model.loaders import load
+    from engine.model.loaders.cache import ModelCache
 
     out.append(("server imports", rss()["VmRSS"]))
     dtype = choose_dtype("auto", torch.device("cpu")).dtype
@@ -149,7 +149,7 @@ def verdict(met: bool) -> str:
 def report(
     command: list[str], starts: list[Start], steps: list[tuple[str, int]], load: tuple[float, float]
 ) -> list[str]:
-    from engine.dtype_choice import BF16_FLAGS, read_cpu_facts
+    from engine.model.dtype_choice import BF16_FLAGS, read_cpu_facts
 
     cpu = read_cpu_facts()
     isa = [f for f in ("avx2", "avx512f", *BF16_FLAGS) if f in cpu.flags]
@@ -196,7 +196,7 @@ def report(
         "",
         "RssFile counts the weights mapped from the cache entry's model.safetensors (page cache, shared and",
         "reclaimable) once they are touched; on a cold start the converted weights are anonymous memory instead.",
-        "The KV pool's pages become resident as blocks are written (engine/attention.py: zeroed_kv_tensor); the",
+        "The KV pool's pages become resident as blocks are written (engine/model/attention.py: zeroed_kv_tensor); the",
         "last row is what zeroing the whole pool at start-up cost.",
         "",
         "Server log, warm start (tail):",

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from bench.report_io import write_report
-from engine.twin.profile import DEFAULT_PROFILE, load_profile
+from engine.backends.twin.profile import DEFAULT_PROFILE, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

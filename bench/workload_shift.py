@@ -33,8 +33,8 @@ import sys
 from bench.loadgen import TraceRequest, run_trace
 from bench.report_io import write_report
 from engine.cli import engine_config
+from engine.core.scheduler import ScheduledBatch
 from engine.factory import build_engine
-from engine.scheduler import ScheduledBatch
 from telemetry.record import StepRecord
 
 MIB = 1 << 20

@@ -13,7 +13,7 @@ and precomputes the next step's thresholds (see _refresh for the three checks on
 `observe_finished()` hands each finished request's output length to the KV reservation.
 
 Not thread-safe, by design: the engine thread owns the policy, and the server reaches it through the
-engine's command queue (engine/server/async_engine.py), so no call here needs a lock.
+engine's command queue (engine/serving/async_engine.py), so no call here needs a lock.
 """
 
 from __future__ import annotations

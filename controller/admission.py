@@ -7,7 +7,7 @@ call here is a handful of multiply-adds (the scheduler asks once per step how ma
 candidates fit, and once per prefill chunk). The same functions serve the other two checks (pair,
 worst case) with their own summed coefficient vectors and thresholds.
 
-The candidate's features follow engine/scheduler.py's StepShape accounting: a prefill chunk c of a
+The candidate's features follow engine/core/scheduler.py's StepShape accounting: a prefill chunk c of a
 sequence with k tokens already in KV adds c prefill tokens, one prefill sequence, k + c context,
 c * (k + c) attention pairs and (conservatively) one sampled row; a decode of context n adds one decode
 sequence, n context and one sampled row. The predicted peak is quadratic in c, so the largest chunk is

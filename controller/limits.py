@@ -28,7 +28,7 @@ class Limits:
     # recomputing them, where the backend can (Backend.swap). False: recompute (vLLM v1, the seed).
     preempt_by_swap: bool = False
     # The victim when a decode finds no free block: False, the running sequence closest to its max_tokens
-    # (engine/scheduler.py says why); True, the newest admitted one (vLLM v1's `running.pop()`).
+    # (engine/core/scheduler.py says why); True, the newest admitted one (vLLM v1's `running.pop()`).
     preempt_newest: bool = False
     allow_mixed: bool = True  # prefill and decode may share a step
     prefill_first: bool = False  # when a prefill can be scheduled, the step is prefill-only (seed engine)

@@ -1,5 +1,5 @@
-"""Where Headroom keeps what it builds once and reuses: prepared models (engine/loaders/cache.py) and compiled
-kernels (engine/cpu_kernels.py)."""
+"""Where Headroom keeps what it builds once and reuses: prepared models (engine/model/loaders/cache.py) and compiled
+kernels (engine/model/cpu_kernels.py)."""
 
 from __future__ import annotations
 

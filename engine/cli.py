@@ -19,7 +19,7 @@ from engine.openmp import reexec_with_intel_openmp
 C = TypeVar("C")
 
 # Subcommands living beside what they drive; each module has `register(subparsers)`.
-COMMAND_MODULES = ("engine.server.cli", "bench.cli")
+COMMAND_MODULES = ("engine.serving.cli", "bench.cli")
 
 
 def add_config_flags(p: argparse.ArgumentParser, cls: type, **defaults: Any) -> None:
@@ -58,9 +58,9 @@ def engine_config(argv: list[str] | None = None, **defaults: Any) -> EngineConfi
 
 
 def _generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from engine.core.sampling_params import SamplingParams
     from engine.factory import build_engine
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
 
     llm = LLM(engine=build_engine(config_from_args(p, EngineConfig, args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)

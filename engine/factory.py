@@ -7,8 +7,8 @@ import dataclasses
 from controller.baselines import FixedPolicy, SeedStaticPolicy, VllmPolicy
 from controller.policy import Policy
 from engine.config import EngineConfig
-from engine.faults import OOMInjector
-from engine.llm_engine import Backend, LLMEngine
+from engine.core.faults import OOMInjector
+from engine.core.llm_engine import Backend, LLMEngine
 from telemetry.probes.cgroup import cgroup_limit
 
 # EngineConfig's fixed caps whose Limits field has another name.
@@ -66,7 +66,7 @@ def controller_defaults(cfg: EngineConfig) -> dict[str, float]:
     CPU_UNBOUNDED_DEFAULTS where its memory is not a bound (there latency binds first); none elsewhere."""
     if cfg.backend == "twin":
         return {}
-    from engine.torch_backend import resolve_device
+    from engine.backends.torch_backend import resolve_device
 
     if resolve_device(cfg.device).type != "cpu":
         return {}
@@ -80,7 +80,7 @@ def build_backend(cfg: EngineConfig) -> Backend:
 
 def _plain_backend(cfg: EngineConfig) -> Backend:
     if cfg.backend == "twin":
-        from engine.twin.backend import TwinBackend
+        from engine.backends.twin.backend import TwinBackend
 
         return TwinBackend(
             profile=cfg.profile,
@@ -89,7 +89,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
             realtime=cfg.realtime,
             max_model_len=cfg.max_model_len,
         )
-    from engine.torch_backend import TorchBackend
+    from engine.backends.torch_backend import TorchBackend
 
     return TorchBackend(
         cfg.model,
@@ -106,7 +106,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
 
 
 def sizes_kv_pool(cfg: EngineConfig) -> bool:
-    """Without --num-blocks the adaptive controller sizes the pool (engine/kv_pool.py) where the capacity is
+    """Without --num-blocks the adaptive controller sizes the pool (engine/core/kv_pool.py) where the capacity is
     a real bound (`memory_bounded`). On a plain CPU the capacity is all of the host's RAM, which is not the
     engine's to fill, so the default pool stays, as it does for every other policy."""
     return cfg.num_blocks is None and cfg.policy == "adaptive" and memory_bounded(cfg)
@@ -116,7 +116,7 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     policy = build_policy(cfg)
     if not sizes_kv_pool(cfg):
         return LLMEngine(build_backend(cfg), policy, cfg.enable_prefix_caching)
-    from engine.kv_pool import profile_blocks, size_kv_pool
+    from engine.core.kv_pool import profile_blocks, size_kv_pool
 
     block_size = cfg.block_size or _default_block_size(cfg)
     start = profile_blocks(policy.cfg.pool_reserve_tokens, block_size)
@@ -128,9 +128,9 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
 
 def _default_block_size(cfg: EngineConfig) -> int:
     if cfg.backend == "twin":
-        from engine.twin.profile import load_profile
+        from engine.backends.twin.profile import load_profile
 
         return int(load_profile(cfg.profile).section("engine")["default_block_size"])
-    from engine.torch_backend import kernel_for
+    from engine.backends.torch_backend import kernel_for
 
     return kernel_for(cfg.attention, cfg.block_size, cfg.device, cfg.dtype).block_size

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from engine.factory import build_engine
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 
 @dataclass

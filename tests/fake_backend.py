@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from engine.kv_cache import ResizePlan
-from engine.scheduler import ScheduledBatch
+from engine.core.kv_cache import ResizePlan
+from engine.core.scheduler import ScheduledBatch
 from telemetry.probes.null import NullProbe
 
 

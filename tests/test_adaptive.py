@@ -10,10 +10,10 @@ from controller.admission import decodes_that_fit
 from controller.config import ControllerConfig
 from controller.kv_reservation import KVReservation
 from controller.limits import Limits
-from engine.kv_cache import BlockAllocator
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.core.kv_cache import BlockAllocator
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
 from telemetry.record import MemorySample, StepRecord, StepShape
 
 MIB = 1 << 20
@@ -232,7 +232,7 @@ def run_scheduler(
     block_size: int = 256,
     max_steps: int = 20000,
 ):
-    """Requests through engine/scheduler.py with AdaptivePolicy; the plant: 0.5 MiB per token through the
+    """Requests through engine/core/scheduler.py with AdaptivePolicy; the plant: 0.5 MiB per token through the
     model (prefill tokens and decodes), 40 MiB per prompt in the step, OOM above the capacity."""
     pol = AdaptivePolicy()
     sched = Scheduler(BlockAllocator(blocks, block_size), pol)

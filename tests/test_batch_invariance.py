@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.batch_invariance import BF16_MIN_ROWS, linear_min_rows, linear_row_mismatch, padded_linear
+from engine.model.batch_invariance import BF16_MIN_ROWS, linear_min_rows, linear_row_mismatch, padded_linear
 
 SHAPES = [(64, 48), (96, 32)]
 

@@ -10,9 +10,9 @@ import pytest
 from bench.loadgen import load_trace, run_trace
 from bench.report import latency_table, metrics
 from controller.baselines import FixedPolicy
+from engine.backends.twin.backend import TwinBackend
 from engine.cli import main
-from engine.llm_engine import LLMEngine
-from engine.twin.backend import TwinBackend
+from engine.core.llm_engine import LLMEngine
 
 EPOCH = 1_760_000_000.25  # seconds since 1970: what vLLM writes
 

@@ -21,12 +21,12 @@ import httpx
 import pytest
 
 from controller.adaptive import DECISIONS_KEPT, AdaptivePolicy
-from engine.llm_engine import LLMEngine
-from engine.scheduler import ScheduledBatch
-from engine.server.app import create_app
-from engine.server.async_engine import AsyncEngine
-from engine.server.context import AppContext
-from engine.server.standin import StandInTokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.core.scheduler import ScheduledBatch
+from engine.serving.app import create_app
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.context import AppContext
+from engine.serving.standin import StandInTokenizer
 from telemetry.metrics import Metrics
 from telemetry.probes.null import NullProbe
 from telemetry.record import MemorySample, StepShape

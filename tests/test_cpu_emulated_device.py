@@ -18,10 +18,10 @@ import random
 import pytest
 
 from engine.cli import engine_config
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 from engine.factory import build_engine
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 DEVICE = [
     "--backend",

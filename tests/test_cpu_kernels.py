@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (engine/cpu_kernels.py): the elementwise ops against the model's plain-torch ones,
+"""The C++ CPU kernels (engine/model/cpu_kernels.py): the elementwise ops against the model's plain-torch ones,
 each row computed the same alone and in a batch, the bf16 linear against an fp32 reference and bitwise
 batch-invariant, the build cached per machine, and the fallback to plain torch where nothing can be built.
 Paged attention itself is checked in tests/test_model.py against a dense reference and for bitwise batch
@@ -11,15 +11,15 @@ import subprocess
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.batch_invariance import linear_row_mismatch, linear_weight
-from engine.cpu_kernels import CpuKernelOps, PackedLinear, build
-from engine.dtype_choice import CpuFacts
-from engine.kernel_choice import choose_kernel
-from engine.loaders.random_model import random_llama
-from engine.model import ModelConfig, TorchOps
-from engine.sampler import draw_plain
-from engine.torch_backend import TorchBackend
+from engine.backends.torch_backend import TorchBackend
+from engine.core.sampler import draw_plain
+from engine.model import cpu_kernels
+from engine.model.batch_invariance import linear_row_mismatch, linear_weight
+from engine.model.cpu_kernels import CpuKernelOps, PackedLinear, build
+from engine.model.dtype_choice import CpuFacts
+from engine.model.kernel_choice import choose_kernel
+from engine.model.llama import ModelConfig, TorchOps
+from engine.model.loaders.random_model import random_llama
 
 CPU = torch.device("cpu")
 DIM, HEADS, HEAD_DIM, ROWS = 576, 12, 64, 37

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode (engine/cuda_graphs.py): buckets, padding, the static buffers, invalidation on a
+"""CUDA graphs for decode (engine/model/cuda_graphs.py): buckets, padding, the static buffers, invalidation on a
 KV resize and the fallback to eager, exercised on the CPU with an eager stand-in for torch.cuda.graph and
 the fake flash_attn of tests/fakes; the real capture runs under the `cuda` marker."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from controller.baselines import FixedPolicy
+from engine.backends.torch_backend import TorchBackend
 from engine.config import EngineConfig
-from engine.cuda_graphs import CAPTURE_SIZES, Replay, bucket_for, pad_rows
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.torch_backend import TorchBackend
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.model.cuda_graphs import CAPTURE_SIZES, Replay, bucket_for, pad_rows
 from tests.fixtures_llama import build_tiny_llama
 
 

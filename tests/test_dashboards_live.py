@@ -149,7 +149,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def missing_server_parts() -> list[str]:
     missing = []
-    for module in ("engine.server.cli", "engine.twin.backend", "controller.adaptive"):
+    for module in ("engine.serving.cli", "engine.backends.twin.backend", "controller.adaptive"):
         try:
             found = find_spec(module) is not None
         except ModuleNotFoundError:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.dtype_choice import CpuFacts, choose_dtype, read_cpu_facts
+from engine.model.dtype_choice import CpuFacts, choose_dtype, read_cpu_facts
 
 CPU = torch.device("cpu")
 XEON_AMX = CpuFacts("Intel Xeon Platinum 8480+", frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}), True, None)

@@ -4,9 +4,9 @@ a single greedy token, and every KV block comes back.
 Comparing greedy tokens bitwise is only sound where every kernel computes a token's row the same way
 whatever else is in the batch: otherwise a near-tie flips (on bf16 oneDNN without padding, "Write a haiku
 about the sea." starts with token 2 batched and 198 alone). Attention and the elementwise ops are
-batch-invariant by construction on every CPU path (engine/cpu_kernels.py, engine/attention.py), and so are
+batch-invariant by construction on every CPU path (engine/model/cpu_kernels.py, engine/model/attention.py), and so are
 bf16 linears on Headroom's kernel (AVX512-BF16, which AMX CPUs have too); other linears are probed on this CPU
-(engine/batch_invariance.py), and
+(engine/model/batch_invariance.py), and
 the comparison runs in the first dtype whose linears pass: the default (`auto`), else bf16 (on CPUs
 without bf16 instructions `auto` is fp32, whose MKL kernels round rows by batch size, while torch's own
 bf16 kernel keeps rows apart). Where neither passes the tests skip and say what the probe found.
@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.batch_invariance import linear_min_rows, linear_row_mismatch
 from engine.cli import engine_config
-from engine.cpu_kernels import linear_unusable_reason
-from engine.dtype_choice import choose_dtype
 from engine.factory import build_engine
-from engine.loaders import load
+from engine.model.batch_invariance import linear_min_rows, linear_row_mismatch
+from engine.model.cpu_kernels import linear_unusable_reason
+from engine.model.dtype_choice import choose_dtype
+from engine.model.loaders import load
 
 PROMPTS = [
     "The capital of France is",
@@ -115,7 +115,7 @@ def test_a_warm_up_leaves_no_trace(invariant_dtype, reference):
 
 def test_engine_rejects_prompt_longer_than_context():
     engine = build_engine(engine_config(["--max-model-len", "64"]))
-    from engine.llm_engine import RequestError
+    from engine.core.llm_engine import RequestError
 
     with pytest.raises(RequestError, match="maximum context length"):
         engine.add_request("x", list(range(100)), SamplingParams())
@@ -143,7 +143,7 @@ def test_generate_cli_answers_paris():
 
 
 def test_kv_pool_resizes_between_steps_keep_greedy_tokens(invariant_dtype, reference):
-    """Grow, then shrink with in-use blocks moved down (engine/kv_cache.py), between steps on the real
+    """Grow, then shrink with in-use blocks moved down (engine/core/kv_cache.py), between steps on the real
     model: the KV copied by resize_kv_cache must be exactly what attention reads afterwards."""
     llm = LLM("default", num_blocks=64, dtype=invariant_dtype)
     engine = llm.engine

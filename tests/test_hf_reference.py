@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from engine.attention import build_attention_metadata
-from engine.torch_backend import TorchBackend
+from engine.backends.torch_backend import TorchBackend
+from engine.model.attention import build_attention_metadata
 from tests.fixtures_llama import build_tiny_llama
 
 DECODE_STEPS = 4

@@ -1,5 +1,5 @@
-"""The attention kernel and block size, chosen together (engine/kernel_choice.py), on a faked CUDA device
-with the fake flash_attn of tests/fakes on sys.path; and engine/attention.py's flash path called the way
+"""The attention kernel and block size, chosen together (engine/model/kernel_choice.py), on a faked CUDA device
+with the fake flash_attn of tests/fakes on sys.path; and engine/model/attention.py's flash path called the way
 upstream flash-attn wants (the fake enforces upstream's argument checks)."""
 
 from __future__ import annotations
@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import allocate_kv_cache, build_attention_metadata, paged_attention
 from engine.config import EngineConfig
 from engine.factory import _default_block_size
-from engine.kernel_choice import choose_kernel
-from engine.model import ModelConfig
+from engine.model.attention import allocate_kv_cache, build_attention_metadata, paged_attention
+from engine.model.kernel_choice import choose_kernel
+from engine.model.llama import ModelConfig
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 @pytest.fixture
 def no_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("engine.kernel_choice.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("engine.model.kernel_choice.importlib.util.find_spec", lambda name: None)
 
 
 def test_auto_on_cuda_with_flash_attn_takes_flash_and_256_blocks(fake_flash) -> None:
@@ -59,12 +59,12 @@ def test_the_factory_sizes_the_pool_in_the_chosen_kernels_blocks(fake_flash, mon
     assert _default_block_size(EngineConfig(device="cuda", dtype="bfloat16")) == 256
     assert _default_block_size(EngineConfig(device="cuda", dtype="float32")) == 16
     assert _default_block_size(EngineConfig(device="cpu")) == 16
-    monkeypatch.setattr("engine.kernel_choice.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("engine.model.kernel_choice.importlib.util.find_spec", lambda name: None)
     assert _default_block_size(EngineConfig(device="cuda", dtype="bfloat16")) == 16
 
 
 def test_flash_path_passes_upstream_arguments_and_matches_sdpa(fake_flash) -> None:
-    """engine/attention.py's flash call, through the fake that checks what upstream's kernel checks (paged
+    """engine/model/attention.py's flash call, through the fake that checks what upstream's kernel checks (paged
     block size, int32 block table and cu_seqlens), agrees with the sdpa kernel on prefills, a chunk over
     cached context and decodes in one ragged batch."""
     h, kvh, hd, bs = 4, 2, 16, 256

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from controller.baselines import FixedPolicy
-from engine.kv_cache import BlockAllocator
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.twin.backend import TwinBackend
-from engine.twin.memory import MIB
+from engine.backends.twin.backend import TwinBackend
+from engine.backends.twin.memory import MIB
+from engine.core.kv_cache import BlockAllocator
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
 from tests.fake_backend import FakeBackend
 
 
@@ -130,7 +130,7 @@ def test_twin_shrink_with_no_free_memory_stages_through_the_host():
 def test_torch_shrink_with_no_device_memory_stages_through_the_host(monkeypatch):
     """The CUDA shrink with fakes: the first new tensor cannot be allocated on the device, so its kept
     blocks go to the host and back after the old tensor is dropped; every block kept is intact."""
-    from engine import attention
+    from engine.model import attention
 
     calls = []
     real = attention.zeroed_kv_tensor
@@ -164,8 +164,8 @@ def test_twin_external_memory_takes_only_what_is_free():
 def test_torch_resize_on_cuda_path_keeps_one_tensor_per_layer_and_empties_the_cache(monkeypatch):
     """The CUDA mechanism with fakes (no GPU here): a new tensor per K and V per layer, the kept and moved
     blocks copied, the rest zeroed, then torch.cuda.empty_cache so the old tensors go back to the driver."""
-    from engine.kv_cache import ResizePlan
-    from engine.torch_backend import TorchBackend
+    from engine.backends.torch_backend import TorchBackend
+    from engine.core.kv_cache import ResizePlan
     from telemetry.probes.null import NullProbe
 
     emptied = []

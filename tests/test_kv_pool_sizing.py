@@ -6,9 +6,9 @@ from __future__ import annotations
 from controller.config import ControllerConfig
 from controller.kv_pool import MIB, PoolSizer
 from engine.cli import engine_config
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch
 from engine.factory import build_engine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
 from telemetry.metrics import Metrics
 
 
@@ -93,7 +93,7 @@ def test_pool_shrinks_before_the_step_when_another_process_takes_memory_and_grow
 
 
 def test_metrics_export_pool_bytes_and_resizes():
-    from engine.server.health_routes import controller_metrics
+    from engine.serving.health_routes import controller_metrics
 
     e = twin_engine()
     m = Metrics("twin")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import allocate_kv_cache, resize_kv_cache
-from engine.model import ModelConfig
+from engine.model.attention import allocate_kv_cache, resize_kv_cache
+from engine.model.llama import ModelConfig
 from telemetry.probes.cpu import tensor_bytes
 
 MIB = 1 << 20

@@ -20,11 +20,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from controller.adaptive import AdaptivePolicy
-from engine.llm_engine import LLMEngine
-from engine.server.app import create_app
-from engine.server.async_engine import AsyncEngine
-from engine.server.context import AppContext, is_loopback
-from engine.server.standin import StandInTokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.serving.app import create_app
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.context import AppContext, is_loopback
+from engine.serving.standin import StandInTokenizer
 from tests.conftest import start_server
 from tests.fake_backend import FakeBackend
 from tests.test_server_errors import assert_error

@@ -10,12 +10,12 @@ import jinja2
 import pytest
 import torch
 
-from engine import loaders
-from engine.attention import allocate_kv_cache, build_attention_metadata
-from engine.loaders import LoadedModel, load
-from engine.loaders.gguf import GGUFFile
-from engine.loaders.hf import read_tokenizer
-from engine.tokenizer import IncrementalDetokenizer
+from engine.model import loaders
+from engine.model.attention import allocate_kv_cache, build_attention_metadata
+from engine.model.loaders import LoadedModel, load
+from engine.model.loaders.gguf import GGUFFile
+from engine.model.loaders.hf import read_tokenizer
+from engine.model.tokenizer import IncrementalDetokenizer
 from tests.fixtures_llama import LLAMA3_STYLE, build_tiny_llama
 
 TEXTS = ["Hello world!", "  spaces   and\ttabs\n\nnewlines", "12345 3.14159", "ünïcödé 東京 🙂", "<|im_start|>user\nhi"]

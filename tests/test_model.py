@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from controller.baselines import FixedPolicy
-from engine.attention import allocate_kv_cache, build_attention_metadata, check_backend, paged_attention
-from engine.kv_cache import BlockAllocator
-from engine.llm_engine import LLMEngine
-from engine.model import ModelConfig, rope_inv_freq
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, ScheduledSeq
-from engine.sequence import Sequence
-from engine.torch_backend import TorchBackend
+from engine.backends.torch_backend import TorchBackend
+from engine.core.kv_cache import BlockAllocator
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch, ScheduledSeq
+from engine.core.sequence import Sequence
+from engine.model.attention import allocate_kv_cache, build_attention_metadata, check_backend, paged_attention
+from engine.model.llama import ModelConfig, rope_inv_freq
 from tests.fixtures_llama import build_tiny_llama
 
 H, KVH, HD, BS, NUM_BLOCKS = 4, 2, 16, 16, 64
@@ -310,7 +310,7 @@ def test_token_slice_equals_slicing_token_ids() -> None:
 
 
 def test_preemption_by_swap_on_the_torch_backend_matches_alone(tiny) -> None:
-    """The torch swap path (engine/attention.py swap_out_blocks / swap_in_blocks), forced on for the CPU (it
+    """The torch swap path (engine/model/attention.py swap_out_blocks / swap_in_blocks), forced on for the CPU (it
     is on for CUDA only): a pool so small that requests are preempted gives the tokens of the lone runs,
     with every preempted sequence swapped back in and none of its tokens recomputed."""
     backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7)

@@ -1,4 +1,4 @@
-"""The warm-start model cache (engine/loaders/cache.py): a load from the cache gives bit for bit the weights,
+"""The warm-start model cache (engine/model/loaders/cache.py): a load from the cache gives bit for bit the weights,
 and token for token the tokenizer, of a load from the source; a changed source or dtype misses; an entry
 that is damaged in any way is rebuilt; a cache that cannot be written costs nothing but the warm start.
 Every cache here lives under tmp_path."""
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import loaders
+from engine.backends.torch_backend import TorchBackend
 from engine.cache_dir import CACHE_DIR_ENV
 from engine.config import EngineConfig
-from engine.loaders import LoadedModel, load
-from engine.loaders.cache import MANIFEST, TOKENIZER, WEIGHTS, ModelCache
-from engine.torch_backend import TorchBackend
+from engine.model import loaders
+from engine.model.loaders import LoadedModel, load
+from engine.model.loaders.cache import MANIFEST, TOKENIZER, WEIGHTS, ModelCache
 from tests.conftest import default_model_installed
 from tests.fixtures_llama import build_tiny_llama
 

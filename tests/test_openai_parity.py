@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from controller.baselines import FixedPolicy
-from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence, TokenLogprob
-from engine.server.app import create_app
-from engine.server.async_engine import AsyncEngine
-from engine.server.context import AppContext
-from engine.server.standin import FILLER, StandInTokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.core.sequence import Sequence, TokenLogprob
+from engine.serving.app import create_app
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.context import AppContext
+from engine.serving.standin import FILLER, StandInTokenizer
 from tests.fake_backend import FakeBackend
 from tests.inproc_server import serve_in_thread
 from tests.test_server_errors import assert_error

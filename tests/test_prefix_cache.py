@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 
 from controller.baselines import FixedPolicy
-from engine.kv_cache import BlockAllocator
-from engine.llm_engine import LLMEngine
-from engine.prefix_cache import ROOT_HASH, hash_block
-from engine.sampling_params import SamplingParams
+from engine.core.kv_cache import BlockAllocator
+from engine.core.llm_engine import LLMEngine
+from engine.core.prefix_cache import ROOT_HASH, hash_block
+from engine.core.sampling_params import SamplingParams
 from tests.fake_backend import FakeBackend
 
 H = [hash_block(ROOT_HASH, [i]) for i in range(8)]  # stand-in block hashes for the allocator tests

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from engine.config import ConfigError, ServerConfig
-from engine.server.cli import add_serve_args, configs
+from engine.serving.cli import add_serve_args, configs
 
 
 def parse(*argv: str) -> ServerConfig:

@@ -21,9 +21,9 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install
 openai = pytest.importorskip("openai")
 
 from engine.config import EngineConfig, ServerConfig  # noqa: E402
-from engine.ray_serve import launcher  # noqa: E402
-from engine.ray_serve.metrics_board import metrics_board  # noqa: E402
-from engine.ray_serve.replica import REPLICA_HEADER  # noqa: E402
+from engine.serving.ray_serve import launcher  # noqa: E402
+from engine.serving.ray_serve.metrics_board import metrics_board  # noqa: E402
+from engine.serving.ray_serve.replica import REPLICA_HEADER  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.ray_serve.fleet_metrics import merge_expositions
+from engine.serving.ray_serve.fleet_metrics import merge_expositions
 from telemetry.metrics import Metrics
 
 

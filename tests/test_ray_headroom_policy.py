@@ -7,9 +7,9 @@ import json
 import random
 from collections import Counter
 
-from engine.ray_serve.headroom_policy import LEDGER_SLACK_S, UNKNOWN_STEP_TOKENS, Headroom, Ledger, rank
-from engine.ray_serve.prompt_size import prompt_tokens
-from engine.server.standin import StandInTokenizer
+from engine.serving.ray_serve.headroom_policy import LEDGER_SLACK_S, UNKNOWN_STEP_TOKENS, Headroom, Ledger, rank
+from engine.serving.ray_serve.prompt_size import prompt_tokens
+from engine.serving.standin import StandInTokenizer
 
 
 def stats(step: int = 4096, queued: int = 0, free_blocks: int = 100, waiting: int = 0, running: int = 0,

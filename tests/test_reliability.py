@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import reliability as rel
-from engine.server.standin import FILLER
+from engine.serving.standin import FILLER
 
 
 def failed(result: rel.ScenarioResult) -> list[str]:

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import Generator
 
-from engine.sampler import Sampler, apply_penalties, invert_cdf, mask_tokens, seed_for
-from engine.sampling_params import ParamError, SamplingParams
-from engine.sequence import Sequence as Request
+from engine.core.sampler import Sampler, apply_penalties, invert_cdf, mask_tokens, seed_for
+from engine.core.sampling_params import ParamError, SamplingParams
+from engine.core.sequence import Sequence as Request
 
 V = 64
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from controller.baselines import FixedPolicy, SeedStaticPolicy, VllmPolicy
-from engine.llm_engine import LLMEngine, RequestError
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.sampling_params import SamplingParams
 from tests.fake_backend import FakeBackend
 
 PROMPTS = [[(i * 13 + j) % 50 + 2 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 64, 5, 33, 21])]
@@ -145,7 +145,7 @@ class RecoveringPolicy(FixedPolicy):
 
 
 def test_injected_ooms_are_recovered_without_losing_or_duplicating_work():
-    from engine.faults import OOMInjector
+    from engine.core.faults import OOMInjector
 
     policy = RecoveringPolicy(kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False, max_num_seqs=256)
     backend = OOMInjector(FakeBackend(), rate=0.2, seed=1)
@@ -159,8 +159,8 @@ def test_injected_ooms_are_recovered_without_losing_or_duplicating_work():
 
 
 def test_unrecovered_oom_kills_the_engine_like_the_seed():
-    from engine.faults import OOMInjector
-    from engine.llm_engine import EngineDeadError
+    from engine.core.faults import OOMInjector
+    from engine.core.llm_engine import EngineDeadError
 
     engine = LLMEngine(OOMInjector(FakeBackend(), rate=0.5, seed=3), FixedPolicy())
     seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=30)) for i, p in enumerate(PROMPTS)]
@@ -185,8 +185,8 @@ def test_finished_requests_teach_the_adaptive_kv_reservation():
 def test_logprobs_are_appended_once_per_sampled_token_through_ooms():
     """On the twin (no logits: logprob 0 and the token as its only top entry) with injected OOMs: a failed
     step's tokens are never kept, so neither are their logprobs."""
-    from engine.faults import OOMInjector
-    from engine.twin.backend import TwinBackend
+    from engine.backends.twin.backend import TwinBackend
+    from engine.core.faults import OOMInjector
 
     backend = OOMInjector(TwinBackend(num_blocks=64), rate=0.3, seed=2)
     engine = LLMEngine(backend, RecoveringPolicy(kv_reserve_ratio=0.0, allow_mixed=True, max_num_seqs=256))

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from engine.server.standin import StandInTokenizer
-from engine.server.text import TextStream
+from engine.serving.standin import StandInTokenizer
+from engine.serving.text import TextStream
 from telemetry.phases import PHASES
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -247,7 +247,7 @@ def test_text_stream_never_sends_text_a_stop_string_cuts(stop: str) -> None:
 
 def test_headroom_serve_is_registered_with_every_engine_flag() -> None:
     from engine.cli import build_parser
-    from engine.server.cli import configs
+    from engine.serving.cli import configs
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--backend", "twin", "--port", "0", "--max-waiting", "3"])

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from controller.baselines import FixedPolicy
-from engine.llm_engine import LLMEngine
-from engine.server.app import create_app
-from engine.server.async_engine import AsyncEngine
-from engine.server.context import AppContext
-from engine.server.standin import StandInTokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.serving.app import create_app
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.context import AppContext
+from engine.serving.standin import StandInTokenizer
 from tests.fake_backend import FakeBackend
 from tests.inproc_server import serve_in_thread
 

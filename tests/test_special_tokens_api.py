@@ -14,12 +14,12 @@ import pytest
 from tokenizers import processors
 
 from controller.baselines import FixedPolicy
-from engine.llm_engine import LLMEngine
-from engine.loaders.hf import read_tokenizer
-from engine.server.app import create_app
-from engine.server.async_engine import AsyncEngine
-from engine.server.context import AppContext
-from engine.tokenizer import Tokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.model.loaders.hf import read_tokenizer
+from engine.model.tokenizer import Tokenizer
+from engine.serving.app import create_app
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.context import AppContext
 from tests.fake_backend import FakeBackend
 from tests.fixtures_llama import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
 from tests.inproc_server import serve_in_thread

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from controller.baselines import FixedPolicy
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch
 from telemetry.phases import PHASES, PhaseTimer
 from tests.fake_backend import FakeBackend
 

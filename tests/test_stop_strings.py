@@ -8,10 +8,10 @@ import random
 import pytest
 
 from controller.baselines import FixedPolicy
-from engine.llm_engine import LLMEngine
-from engine.loaders.hf import read_tokenizer
-from engine.sampling_params import SamplingParams
-from engine.stop_strings import StopStringMatcher
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.core.stop_strings import StopStringMatcher
+from engine.model.loaders.hf import read_tokenizer
 from tests.fake_backend import FakeBackend
 from tests.fixtures_llama import CORPUS, build_tiny_llama
 
@@ -68,7 +68,7 @@ def test_eos_before_min_tokens_is_ignored_and_min_tokens_bounded_by_the_context(
     seq = run(engine, SamplingParams(max_tokens=8, stop_token_ids=[out[1]], min_tokens=3), "min")
     assert seq.finish_reason == ("stop" if out[1] in seq.output_ids[2:] else "length")
     assert len(seq.output_ids) >= 3
-    from engine.llm_engine import RequestError
+    from engine.core.llm_engine import RequestError
 
     with pytest.raises(RequestError) as e:
         engine.add_request("too-many", PROMPT, SamplingParams(max_tokens=None, min_tokens=600))

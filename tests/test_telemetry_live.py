@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from controller.adaptive import AdaptivePolicy
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.twin.backend import TwinBackend
+from engine.backends.twin.backend import TwinBackend
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
 from telemetry.trace import StepTrace, read_trace
 from tests.test_metrics import HEADROOM_NAMES, VLLM_NAMES
 from tests.test_server import metric

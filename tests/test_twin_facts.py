@@ -13,9 +13,9 @@ import pytest
 from bench.loadgen import RunResult, run_closed_loop
 from bench.seed_matrix import SEED_MATRIX, num_requests
 from controller.baselines import FixedPolicy, SeedStaticPolicy
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.twin.backend import TwinBackend
+from engine.backends.twin.backend import TwinBackend
+from engine.core.llm_engine import LLMEngine
+from engine.core.sampling_params import SamplingParams
 
 
 def point(policy, con: int, inp: int, out: int, n: int, num_blocks: int = 64) -> RunResult:

@@ -9,10 +9,10 @@ import pytest
 from bench.loadgen import TraceRequest, run_closed_loop, run_trace
 from bench.report import metrics
 from controller.baselines import FixedPolicy, SeedStaticPolicy
-from engine.llm_engine import LLMEngine
-from engine.twin.backend import TwinBackend
-from engine.twin.latency import US, LatencyModel, StepWork, fit_overheads
-from engine.twin.profile import PROFILE_DIR, load_profile
+from engine.backends.twin.backend import TwinBackend
+from engine.backends.twin.latency import US, LatencyModel, StepWork, fit_overheads
+from engine.backends.twin.profile import PROFILE_DIR, load_profile
+from engine.core.llm_engine import LLMEngine
 
 PROFILE = load_profile()
 SINGLE_STREAM = PROFILE.section("calibration")["single_stream"]
@@ -124,7 +124,7 @@ def test_realtime_paces_steps_in_wall_time():
     import time
 
     engine = LLMEngine(TwinBackend(num_blocks=64, realtime=True), SeedStaticPolicy())
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     engine.add_request("r", [5] * 32, SamplingParams(max_tokens=3, ignore_eos=True))
     t = time.monotonic()

@@ -6,13 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, ScheduledSeq
-from engine.sequence import Sequence
-from engine.twin.backend import TwinBackend
-from engine.twin.memo import LRUMemo
-from engine.twin.memory import MEMO_SIZE, MIB, CachingAllocator, DeviceOOM, MemoryModel, StepMemory, segment_size
-from engine.twin.profile import load_profile
+from engine.backends.twin.backend import TwinBackend
+from engine.backends.twin.memo import LRUMemo
+from engine.backends.twin.memory import (
+    MEMO_SIZE,
+    MIB,
+    CachingAllocator,
+    DeviceOOM,
+    MemoryModel,
+    StepMemory,
+    segment_size,
+)
+from engine.backends.twin.profile import load_profile
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch, ScheduledSeq
+from engine.core.sequence import Sequence
 
 PROFILE = load_profile()
 LOGITS_4096 = 4096 * 128256 * 4  # fp32 logits of a 4096-token prompt

@@ -13,10 +13,10 @@ from bench.loadgen import TraceRequest, run_trace
 from bench.report import metrics
 from bench.synthetic import EPOCH, sharegpt_like_trace
 from controller.baselines import VllmPolicy
-from engine.llm_engine import LLMEngine
-from engine.twin.backend import TwinBackend
-from engine.twin.latency import LatencyModel, StepWork
-from engine.twin.profile import load_profile
+from engine.backends.twin.backend import TwinBackend
+from engine.backends.twin.latency import LatencyModel, StepWork
+from engine.backends.twin.profile import load_profile
+from engine.core.llm_engine import LLMEngine
 
 VLLM = "rtx4090-llama3.1-8b-vllm"
 

@@ -1,0 +1,254 @@
+"""The `twin` backend: the RTX 4090 + Llama-3.1-8B seed engine as a model, behind the same Backend protocol
+as the torch backend. The real scheduler and policies run unchanged; only step latency (virtual clock)
+and device memory (allocator replay, OOM) come from models fitted to the calibration facts.
+
+Why a twin at all: the controller has to be judged on the card the facts were measured on, in seconds
+of CPU instead of hours of GPU, and deterministically (same inputs, same OOMs, same numbers).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+from engine.backends.twin.latency import LatencyModel, StepWork
+from engine.backends.twin.memo import LRUMemo
+from engine.backends.twin.memory import MEMO_SIZE, DeviceOOM, MemoryModel, StepMemory, StepResult
+from engine.backends.twin.profile import DEFAULT_PROFILE, Profile, load_profile
+from engine.core.kv_cache import ResizePlan
+from engine.core.scheduler import ScheduledBatch
+from engine.core.sequence import Sequence, TokenLogprob
+from telemetry.probes.null import NullProbe
+from telemetry.record import MemorySample, StepShape
+
+FILLER_BASE = 1000  # filler tokens are FILLER_BASE + position % FILLER_SPAN: never the EOS id
+FILLER_SPAN = 1000
+
+
+def filler_token(position: int) -> int:
+    """The token the twin 'samples' at `position`: deterministic, the same however the work is batched."""
+    return FILLER_BASE + position % FILLER_SPAN
+
+
+@lru_cache(maxsize=8)
+def _latency_model(profile: Profile) -> LatencyModel:
+    return LatencyModel(profile)
+
+
+class TwinProbe(NullProbe):
+    """Reports what torch.cuda.memory_stats (peak allocated/reserved since the step began, retries, OOMs)
+    and NVML (device used/total) would have reported for the modelled step."""
+
+    name = "twin"
+
+    def __init__(self, capacity: int, idle_bytes: int) -> None:
+        super().__init__(capacity=capacity, idle_bytes=idle_bytes)
+        self.pending: MemorySample | None = None
+
+    def measure(self, shape: StepShape) -> MemorySample:
+        sample, self.pending = self.pending, None
+        return sample if sample is not None else self._last
+
+
+class TwinBackend:
+    tokenizer = None
+    token_at = staticmethod(filler_token)
+
+    def __init__(
+        self,
+        profile: str | Profile = DEFAULT_PROFILE,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        realtime: bool = False,
+        max_model_len: int | None = None,
+    ) -> None:
+        """`num_blocks`, `block_size` None: the profile's (the pool its engine ran with). `realtime`: sleep in
+        execute() so virtual time tracks wall time (for `headroom serve`)."""
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        eng, model = self.profile.section("engine"), self.profile.section("model")
+        block_size = block_size or int(eng["default_block_size"])
+        num_blocks = int(eng["default_num_blocks"]) if num_blocks is None else num_blocks
+        if block_size % int(eng["block_size_multiple"]) and block_size not in eng["extra_block_sizes"]:
+            raise ValueError(
+                f"block size {block_size} is not supported by the paged attention of this profile: use a "
+                f"multiple of {eng['block_size_multiple']} (or one of {eng['extra_block_sizes']})"
+            )
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.model_name = str(self.profile.data["model_name"])
+        self.max_model_len = min(max_model_len or int(model["max_model_len"]), int(model["max_model_len"]))
+        self.eos_token_ids = {int(model["eos_token_id"])}
+        self.vocab_size = int(model["vocab"])  # the API checks prompt token ids against it
+        self.logits_all = bool(eng["logits_all_prompt_tokens"])
+        self.latency = _latency_model(self.profile)  # read-only after construction: shared
+        self.memory = MemoryModel(self.profile, num_blocks, block_size)
+        self.probe = TwinProbe(self.memory.cuda_total, self.memory.persistent)
+        self.probe._last = self._sample(0, 0, 0)
+        self.realtime = realtime
+        self._t = 0.0
+        self._wall0 = time.monotonic()
+        self.steps = 0
+        self.busy_time = 0.0
+        # identical steps report one (read-only) sample; the key holds cumulative counters, hence the bound
+        self._samples: LRUMemo[tuple, MemorySample] = LRUMemo(MEMO_SIZE)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.memory.block_bytes
+
+    # -- clock -----------------------------------------------------------------------------------
+    def now(self) -> float:
+        if self.realtime:
+            return time.monotonic() - self._wall0
+        return self._t
+
+    def advance_to(self, t: float) -> None:
+        """Let the idle device wait until virtual time `t` (open-loop arrivals); never goes back."""
+        self._t = max(self._t, t)
+
+    # -- the step --------------------------------------------------------------------------------
+    def work(self, batch: ScheduledBatch) -> StepWork:
+        prefills, n, ctx, sampled, new_max = [], 0, 0, 0, 0
+        for it in batch.items:
+            if it.is_prefill:
+                prefills.append((it.num_tokens, it.start))
+                if it.start == 0:
+                    new_max += it.seq.max_tokens
+            else:
+                n += 1
+                ctx += it.start + 1
+            sampled += it.sample
+        pre_tokens = sum(c for c, _ in prefills)
+        rows = pre_tokens + n if self.logits_all else sampled
+        return StepWork(tuple(prefills), n, ctx, rows, sampled, new_max)
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Advance the virtual clock by the modelled step time and replay the step's allocations; raises
+        torch.OutOfMemoryError (after charging the time) when the allocator cannot place them."""
+        work = self.work(batch)
+        res = self._run(self.latency.step_time(work), StepMemory(work.logits_rows, work.sampled, len(work.prefills)))
+        if res.oom is not None:
+            import torch  # only for the exception type a real device raises
+
+            raise torch.OutOfMemoryError(res.oom)
+        sampling = [it for it in batch.items if it.sample]
+        for it in sampling:  # no logits here: each token is certain, so logprob 0 and the only top entry
+            if (k := it.seq.params.logprobs) is not None:
+                it.logprob = TokenLogprob(0.0, [(filler_token(it.start + it.num_tokens), 0.0)][:k])
+        return [filler_token(it.start + it.num_tokens) for it in sampling]
+
+    def decode_step(self, n: int, context: int, until: float = float("inf")) -> bool:
+        """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
+        model it, for the bench's fast path (bench.loadgen). Returns False and changes nothing when
+        the step would start at or after `until` or would run out of memory: the engine runs that one."""
+        if self.now() >= until:
+            return False
+        m = self.memory
+        saved = m.checkpoint()
+        mem = StepMemory(n, n, 0)  # every decode row is sampled, so logits rows = n either way
+        res = m.run_step(mem)
+        if res.oom is not None:
+            m.restore(saved)
+            return False
+        self._finish_step(self.latency.decode_step_time(n, context, n, n), res)
+        return True
+
+    def _run(self, duration: float, mem: StepMemory) -> StepResult:
+        res = self.memory.run_step(mem)
+        self._finish_step(duration, res)
+        return res
+
+    def _finish_step(self, duration: float, res: StepResult) -> None:
+        m = self.memory
+        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external)
+        sample = self._samples.get(skey)
+        if sample is None:
+            sample = self._samples.put(skey, self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before))
+        self.probe.pending = self.probe._last = sample
+        start = self.now()
+        self.steps += 1
+        self.busy_time += duration
+        if self.realtime:
+            time.sleep(max(0.0, start + duration - self.now()))
+        else:
+            self._t = start + duration
+
+    def resize_kv(self, plan: ResizePlan) -> float:
+        """Resize the modelled KV pool (engine/backends/twin/memory.py: tensor by tensor, allocate, copy, free) and
+        charge the virtual clock what it costs on the card: the moved blocks and the kept pool are read
+        and written once at the copy bandwidth, plus one cudaMalloc per new tensor ([kv_resize]).
+        Copying, not mapping pages: it is what the torch backend does on CUDA (engine/backends/torch_backend.py),
+        and at ~1 TB/s a 4 GiB pool copies in under 10 ms, a fraction of one prefill step. Raises
+        torch.OutOfMemoryError (pool unchanged, nothing charged) when the transient does not fit."""
+        m = self.memory
+        try:
+            staged = m.resize_pool(plan.num_blocks)
+        except DeviceOOM as e:
+            import torch  # only for the exception type a real device raises
+
+            raise torch.OutOfMemoryError(str(e)) from e
+        self.num_blocks = plan.num_blocks
+        self.probe.idle_bytes = m.persistent
+        return self._charge(self.resize_cost(plan, staged))
+
+    can_swap = True
+
+    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
+        """Preemption by swap (Backend.swap): the blocks cross PCIe 4.0 x16 to pinned host memory and back
+        (the torch backend swaps through pinned memory) at `[kv_resize] pinned_copy_bytes_per_s`, charged to
+        the virtual clock before the step; host memory is not the card's, so device memory does not change."""
+        blocks = sum(len(b) for _, b in out) + sum(len(b) for _, b in into)
+        for seq, _ in out:
+            seq.kv_host = True  # nothing to keep: the twin's tokens do not depend on KV contents
+        for seq, _ in into:
+            seq.kv_host = None
+        return self._charge(
+            blocks * self.memory.block_bytes / float(self.profile.section("kv_resize")["pinned_copy_bytes_per_s"])
+        )
+
+    def _charge(self, cost: float) -> float:
+        """Seconds the device spends between steps (a resize, a swap): on the clock, and busy."""
+        self._t += 0.0 if self.realtime else cost
+        if self.realtime:
+            time.sleep(cost)
+        self.busy_time += cost
+        return cost
+
+    def resize_cost(self, plan: ResizePlan, staged: bool = False) -> float:
+        """Seconds one resize takes on the card (see resize_kv); `staged`: the first tensor's kept blocks
+        went to host memory and back as well."""
+        r = self.profile.section("kv_resize")
+        m = self.memory
+        copied = (min(plan.num_blocks, plan.old_num_blocks) + len(plan.moves)) * m.block_bytes
+        cost = 2 * copied / float(r["copy_bytes_per_s"]) + m.kv_tensors * float(r["malloc_s"])
+        if staged:
+            cost += 2 * (plan.num_blocks * m.block_bytes // m.kv_tensors) / float(r["host_copy_bytes_per_s"])
+        return cost
+
+    def set_external(self, nbytes: int) -> int:
+        """Another process on the card asks for `nbytes` in all (0: it lets go); it gets what the driver
+        has free (MemoryModel.set_external) and the bytes it holds are returned. A scenario calls this
+        between steps, as often as the other process retries. NVML sees it at once: the probe's latest
+        sample is refreshed, as a between-steps NVML read would be."""
+        held = self.memory.set_external(nbytes)
+        live = self.memory.allocated
+        self.probe._last = self._sample(live, self.memory.reserved, live)
+        return held
+
+    def recover_from_oom(self) -> None:
+        """torch.cuda.empty_cache(): hand every wholly free cached segment back to the driver."""
+        self.memory.empty_cache()
+
+    def _sample(self, peak: int, reserved: int, before: int) -> MemorySample:
+        m = self.memory
+        return MemorySample(
+            peak_allocated=m.persistent + peak,
+            reserved=m.persistent + reserved,
+            idle_baseline=m.persistent + before,
+            capacity=m.cuda_total,
+            device_used=m.device_used(),
+            device_total=m.nvml_total,
+            alloc_retries=m.retries,
+            ooms=m.ooms,
+        )

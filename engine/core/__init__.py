@@ -1,0 +1,1 @@
+"""The engine core: the step loop, scheduler, KV cache and prefix cache, sequences, sampler."""

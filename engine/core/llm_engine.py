@@ -1,0 +1,322 @@
+"""The engine step loop: schedule under the policy's limits, run the backend under a memory probe, feed the
+measured record back, and finish requests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from controller.policy import Policy
+from engine.core.kv_cache import BlockAllocator, ResizePlan
+from engine.core.prefix_cache import PrefixCache
+from engine.core.sampling_params import ParamError, SamplingParams
+from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.sequence import Sequence
+from engine.core.stop_strings import StopStringMatcher
+from telemetry.phases import PhaseTimer
+from telemetry.record import StepRecord
+
+
+class Backend(Protocol):
+    num_blocks: int
+    block_size: int
+    block_bytes: int  # device bytes of one KV block, all layers
+    max_model_len: int
+    eos_token_ids: set[int]
+    model_name: str
+    probe: object
+    tokenizer: object | None
+
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """One forward over the batch and one sampled token per sampling item. A backend that samples in a
+        separate pass may count that pass's seconds in a `sampler_seconds` attribute (cumulative): the
+        engine's phase timer then tells the forward and the sampler apart."""
+        ...
+
+    def now(self) -> float: ...
+
+    def recover_from_oom(self) -> None:
+        """Release what the failed step held (torch.cuda.empty_cache on CUDA)."""
+        ...
+
+    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
+        """Only where `can_swap` is True: copy each `out` sequence's listed KV blocks to host memory (kept in
+        `seq.kv_host`), then each `into` sequence's host copy into its listed blocks (and drop it); returns
+        the seconds it cost."""
+        ...
+
+    def resize_kv(self, plan: ResizePlan) -> float:
+        """Resize the KV tensors to `plan` (copying the blocks in plan.moves) and set num_blocks; returns
+        the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged, when it cannot."""
+        ...
+
+
+class RequestError(ValueError):
+    """A request the engine can never serve; the API answers 400 with `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit an OOM under a policy that cannot recover: like the seed's dead worker."""
+
+
+class LLMEngine:
+    def __init__(self, backend: Backend, policy: Policy, enable_prefix_caching: bool = True) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
+        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
+        self.scheduler = Scheduler(
+            self.allocator, policy, self.prefix_cache, can_swap=getattr(backend, "can_swap", False)
+        )
+        self.requests: dict[str, Sequence] = {}
+        self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings and a tokenizer
+        self.healthy = True
+        self.step_id = 0
+        self.ooms = 0
+        self.ooms_recovered = 0
+        self.step_listeners: list[Callable[[StepRecord, ScheduledBatch], None]] = []
+        self.finish_listeners: list[Callable[[Sequence], None]] = []
+        self.phases = PhaseTimer()
+        self._sampler_seconds = 0.0  # the backend's sampler_seconds at the last step
+
+    @property
+    def max_model_len(self) -> int:
+        return self.backend.max_model_len
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> Sequence:
+        if not self.healthy:
+            raise EngineDeadError("engine is unhealthy after an unrecovered OOM")
+        if request_id in self.requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        seq = Sequence(
+            request_id,
+            list(prompt_ids),
+            params,
+            max_tokens=self._check(prompt_ids, params),
+            arrival_time=self.backend.now() if arrival_time is None else arrival_time,
+        )
+        self.requests[request_id] = seq
+        if params.stop and self.backend.tokenizer is not None:
+            self._stop_matchers[request_id] = StopStringMatcher(self.backend.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Validate at arrival and resolve max_tokens. Like vLLM, a request whose prompt plus max_tokens
+        exceeds the context is rejected (400) rather than silently truncated; max_tokens=None means
+        'up to the context'."""
+        try:
+            params.validate()
+        except ParamError as e:
+            raise RequestError(str(e), e.param) from e
+        n, ctx = len(prompt_ids), self.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if n >= ctx:
+            raise RequestError(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} tokens.",
+                "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = ctx - n if params.max_tokens is None else params.max_tokens
+        if n + max_tokens > ctx:
+            raise RequestError(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        if params.min_tokens > max_tokens:  # only when max_tokens is None: validate() checked the rest
+            raise RequestError(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the context leaves", "min_tokens"
+            )
+        if self.allocator.blocks_for(n + max_tokens) > self.allocator.num_blocks:
+            raise RequestError(
+                f"prompt plus max_tokens ({n + max_tokens} tokens) exceeds the whole KV cache "
+                f"({self.allocator.num_blocks * self.allocator.block_size} tokens)",
+                "max_tokens",
+            )
+        if reason := self.policy.reject_reason(n, max_tokens):
+            raise RequestError(reason, "prompt", "too_long_for_memory")
+        return max_tokens
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.finished:
+            self._finish(seq, "abort")
+
+    def resize_kv_pool(self, target: int) -> ResizePlan | None:
+        """Resize the KV pool to `target` blocks between steps; returns the plan carried out, or None when
+        the size stays. Never below the blocks in use (in-use blocks above the new size are moved, see
+        engine/core/kv_cache.py) nor below the largest admitted request's prompt + max_tokens, so every request
+        can still finish. Raises torch.OutOfMemoryError, nothing changed, when the backend cannot."""
+        alloc = self.allocator
+        plan = alloc.plan_resize(max(target, self._longest_request_blocks()))
+        if plan.num_blocks == alloc.num_blocks:
+            return None
+        self.backend.resize_kv(plan)
+        alloc.apply(plan)
+        if plan.moves:
+            for seq in self.scheduler.running:
+                seq.block_table = [plan.moves.get(b, b) for b in seq.block_table]
+        return plan
+
+    def _longest_request_blocks(self) -> int:
+        """The blocks the largest admitted request's prompt + max_tokens need: the pool never goes below."""
+        return max((self.allocator.blocks_for(s.prompt_len + s.max_tokens) for s in self.requests.values()), default=1)
+
+    def _follow_pool_target(self) -> None:
+        """Resize the pool where the policy asks (only a policy that sizes the pool ever does), before the
+        step is packed: a shrink for memory another process took lands before the step that would OOM.
+
+        A shrink gives back free blocks first. Only when the policy says the pool must reach a size below
+        the blocks in use (memory is short by more than the free blocks and the prefill reserve hold) are
+        running sequences preempted by recompute, newest first, until their blocks fit it: the last resort,
+        since the alternative is steps that OOM."""
+        target = self.policy.kv_pool_target(self.backend.probe.sample())
+        old = self.allocator.num_blocks
+        if target is None or target == old:
+            return
+        preempted: list[Sequence] = []
+        must = self.policy.kv_pool_preempt_target()
+        if must is not None and must < self.allocator.num_used:
+            preempted = self.scheduler.preempt_newest(max(must, self._longest_request_blocks()))
+        try:
+            plan = self.resize_kv_pool(target)
+        except torch.OutOfMemoryError as e:
+            self.backend.recover_from_oom()
+            self.policy.observe_pool(old, old, str(e), preempted=len(preempted))
+            return
+        self.policy.observe_pool(old, plan.num_blocks if plan else old, preempted=len(preempted))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Run one engine step; returns the sequences that got a token or finished."""
+        phases = self.phases
+        with phases.span("schedule"):  # KV swaps included: they move blocks for the step being packed
+            self._follow_pool_target()
+            batch = self.scheduler.schedule()
+            if batch.swap_out or batch.swap_in:  # before the step and outside it: an OOM there must not skip them
+                self.backend.swap(batch.swap_out, batch.swap_in)
+        if not batch.items:
+            return []
+        start = self.backend.now()
+        oom = False
+        wall = time.perf_counter()
+        try:
+            with self.backend.probe.step(batch.shape):
+                tokens = self.backend.execute(batch)
+        except torch.OutOfMemoryError:
+            oom = True
+            self.ooms += 1
+            self.backend.recover_from_oom()
+        now = self.backend.now()
+        self._time_execute(time.perf_counter() - wall)
+        with phases.span("detokenize_stream"):
+            touched = self._advance(batch, tokens, now) if not oom else self._on_oom(batch)
+        with phases.span("telemetry"):
+            record = self._record(batch, start, now - start, oom)  # KV and queue counts as the step leaves them
+        with phases.span("controller"):
+            self.policy.observe(record)
+        with phases.span("telemetry"):
+            for listener in self.step_listeners:
+                listener(record, batch)
+        return touched
+
+    def _time_execute(self, seconds: float) -> None:
+        """Split the backend's execute into forward and sampler by the sampler seconds it reports."""
+        total = getattr(self.backend, "sampler_seconds", 0.0)
+        sampler, self._sampler_seconds = total - self._sampler_seconds, total
+        self.phases.add("sampler", sampler)
+        self.phases.add("forward", seconds - sampler)
+
+    def _advance(self, batch: ScheduledBatch, tokens: list[int], now: float) -> list[Sequence]:
+        self.scheduler.update(batch, tokens)
+        touched = []
+        for item in batch.items:
+            seq = item.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            if item.sample:
+                if item.logprob is not None:
+                    seq.output_logprobs.append(item.logprob)
+                seq.token_times.append(now)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                touched.append(seq)
+                if reason := self._stop_reason(seq):
+                    self._finish(seq, reason)
+        return touched
+
+    def _on_oom(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Recovering policies: nothing advanced, so the step's work simply runs again under the backed-off
+        limits. Baselines: the worker is dead, like the seed engine's, and every request fails."""
+        if self.policy.recovers_oom:
+            self.ooms_recovered += 1
+            return []
+        self.healthy = False
+        failed = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for seq in failed:
+            self._finish(seq, "error")
+        return failed
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """vLLM's stop checks, in its order: nothing under min_tokens (at most max_tokens, checked at arrival);
+        EOS unless ignored; a stop token id; a stop string, cut from the text at `stop_text_len`; then the
+        length cap. So a stop string completed by the last allowed token still cuts and reports "stop", as
+        vLLM's output processor reports it."""
+        params, token, n_out = seq.params, seq.output_ids[-1], len(seq.output_ids)
+        matcher = self._stop_matchers.get(seq.request_id)
+        cut = matcher.update(seq.output_ids, search=n_out >= params.min_tokens) if matcher else None
+        if n_out < params.min_tokens:
+            return None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.backend.eos_token_ids):
+            return "stop"
+        if cut is not None:
+            seq.stop_text_len = cut
+            return "stop"
+        if n_out >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
+        self._stop_matchers.pop(seq.request_id, None)
+        self.policy.observe_finished(len(seq.output_ids), seq.max_tokens, reason)
+        for listener in self.finish_listeners:
+            listener(seq)
+
+    def _record(self, batch: ScheduledBatch, start: float, duration: float, oom: bool) -> StepRecord:
+        self.step_id += 1
+        sched = self.scheduler
+        return StepRecord(
+            step_id=self.step_id,
+            time=start,
+            duration=duration,
+            shape=batch.shape,
+            memory=self.backend.probe.sample(),
+            kv_blocks_used=self.allocator.num_used,
+            kv_blocks_free=self.allocator.num_free,
+            kv_blocks_owed=sched.blocks_owed(),
+            kv_blocks_total=self.allocator.num_blocks,
+            oom=oom,
+            preempted=len(batch.preempted),
+            prefix_cache_queries=batch.prefix_queries,
+            prefix_cache_hits=batch.prefix_hits,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            limits=self.policy.limits().as_dict(),
+        )

@@ -1,0 +1,252 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min_tokens' EOS masking, presence/frequency/repetition
+penalties and logprobs.
+
+A seeded request's draw for the token at position p depends only on (seed, p): its uniform comes from
+splitmix64 of both, and which path draws it depends only on its own parameters. With batch-invariant logits,
+a seeded request then samples the same tokens alone or batched, and again after a preemption recomputes it.
+
+The draw stays on the logits' device: only the per-row parameters and uniforms go up (one small tensor),
+and one `.tolist()` brings the step's chosen ids back. Each random row takes the cheapest exact path its
+own parameters allow, so no row's options change another row's draw:
+- top_k set: the top k by `topk` (no sort of the vocabulary), top_p measured against the full softmax;
+- top_p only: a stable sort of the row, the one exact way to find the smallest prefix holding top_p;
+- neither: inversion of the unsorted CDF.
+A seed means the same uniform on every device; a token can still differ between devices where their
+logits or float sums round differently.
+
+Penalties and logprobs touch only the rows that ask for them: a batch without them pays a list scan.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.core.sequence import Sequence as Request
+
+_MASK64 = (1 << 64) - 1
+
+
+def seed_for(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): Python's hash() of a tuple is not promised stable across builds."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch seeds are at most 2**63 - 1 signed, keep it non-negative
+
+
+def mask_tokens(logits: torch.Tensor, rows: Iterable[tuple[int, Iterable[int]]]) -> None:
+    """Set logits[row, ids] to -inf in place, e.g. EOS and stop ids while a request is under min_tokens."""
+    for row, ids in rows:
+        ids = [i for i in ids if 0 <= i < logits.shape[1]]
+        if ids:
+            logits[row, ids] = float("-inf")
+
+
+class TokenCounts:
+    """One request's penalty state, on the logits' device: how often each token is in the output, and which
+    tokens are in the prompt or the output. `update` adds only the tokens sampled since it last ran, so a
+    step costs O(vocab) per penalized row however long the output is."""
+
+    def __init__(self, prompt_ids: list[int], vocab: int, device: torch.device) -> None:
+        self.output = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.seen[torch.tensor([i for i in prompt_ids if 0 <= i < vocab], dtype=torch.long, device=device)] = True
+        self.num_counted = 0
+
+    def update(self, output_ids: list[int]) -> None:
+        new = output_ids[self.num_counted :]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.output.device)
+            self.output.index_put_((ids,), torch.ones(len(new), device=ids.device), accumulate=True)
+            self.seen[ids] = True
+            self.num_counted = len(output_ids)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[Request]) -> None:
+    """In place, on the penalized rows, in vLLM's order: the repetition penalty on every token of the prompt
+    and the output (divides a positive logit, multiplies a negative one), then OpenAI's frequency (per
+    occurrence) and presence (once) penalties over the output."""
+    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if not rows:
+        return
+    for i in rows:
+        seq = seqs[i]
+        if seq.token_counts is None:
+            seq.token_counts = TokenCounts(seq.prompt_ids, logits.shape[1], logits.device)
+        seq.token_counts.update(seq.output_ids)
+    counts = torch.stack([seqs[i].token_counts.output for i in rows])
+    seen = torch.stack([seqs[i].token_counts.seen for i in rows])
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(seqs[i].params, name) for i in rows], device=logits.device)[:, None]
+
+    x, rep = logits[rows], column("repetition_penalty")
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    logits[rows] = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """logprobs: log-softmax rows [R, V]; tokens[r]: the token row r chose; ks[r]: how many top entries."""
+    index = torch.tensor(tokens, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(max(ks), dim=-1)
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(c, list(zip(ids[r][:k], values[r][:k], strict=True)))
+        for r, (c, k) in enumerate(zip(chosen, ks, strict=True))
+    ]
+
+
+TOP_K, TOP_P, PLAIN = 0, 1, 2  # a random row's path, by its own parameters
+UNIFORM_BITS = 24  # exactly representable in float32, and below 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, position)."""
+    return (seed_for(seed, position) >> (63 - UNIFORM_BITS)) / (1 << UNIFORM_BITS)
+
+
+def _path(params: SamplingParams) -> int:
+    if params.top_k > 0:
+        return TOP_K
+    return TOP_P if params.top_p < 1 else PLAIN
+
+
+def invert_cdf(probs: torch.Tensor, drop: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the index where the CDF of `probs` (with `drop` zeroed) first exceeds u times its total.
+    The target is kept strictly below the total, so the index always has mass, even when u * total rounds
+    up to it."""
+    kept = probs if drop is None else probs.masked_fill(drop, 0.0)
+    cdf = kept.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def draw_top_k(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, u: torch.Tensor, top: int) -> torch.Tensor:
+    """Rows with top_k: the `top` (>= every row's k) largest logits by topk (sorted, best first), each row
+    cut to its k, top-p over the full softmax's probabilities of those (one O(vocab) pass, no sort).
+    Exact ties at a row's k-th place may be broken differently than a full stable sort would."""
+    ids = x.topk(min(top, x.shape[1]), dim=-1).indices
+    probs = torch.softmax(x, dim=-1).gather(1, ids)
+    ranks = torch.arange(ids.shape[1], device=x.device)[None, :]
+    drop = (probs.cumsum(dim=-1) - probs > ps[:, None]) | (ranks >= ks[:, None])
+    return ids.gather(1, invert_cdf(probs, drop, u)[:, None]).squeeze(1)
+
+
+def draw_top_p(x: torch.Tensor, ps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rows with top_p only: top-p keeps the smallest prefix of the stably sorted softmax whose mass
+    reaches top_p (a token is dropped when the mass before it already does); the first token stays."""
+    probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True, stable=True)
+    drop = probs.cumsum(dim=-1) - probs > ps[:, None]
+    return order.gather(1, invert_cdf(probs, drop, u)[:, None]).squeeze(1)
+
+
+def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rows with neither filter: the softmax's CDF in vocabulary order, no sort."""
+    return invert_cdf(torch.softmax(x, dim=-1), None, u)
+
+
+PlainDraw = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def draw_by_path(
+    x: torch.Tensor,
+    ks: torch.Tensor,
+    ps: torch.Tensor,
+    us: torch.Tensor,
+    params: Sequence[SamplingParams],
+    plain: PlainDraw = draw_plain,
+) -> torch.Tensor:
+    """Token ids for rows already ordered by path (`_path` of params[r]), each path on its own slice.
+    `plain` draws the rows with neither filter (on the CPU, engine/model/cpu_kernels.py's kernel)."""
+    paths = [_path(p) for p in params]
+    picks = []
+    for path in (TOP_K, TOP_P, PLAIN):
+        a, b = bisect_left(paths, path), bisect_right(paths, path)
+        if a == b:
+            continue
+        if path == TOP_K:
+            picks.append(draw_top_k(x[a:b], ks[a:b], ps[a:b], us[a:b], max(p.top_k for p in params[a:b])))
+        elif path == TOP_P:
+            picks.append(draw_top_p(x[a:b], ps[a:b], us[a:b]))
+        else:
+            picks.append(plain(x[a:b], us[a:b]))
+    return torch.cat(picks)
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None, plain: PlainDraw = draw_plain) -> None:
+        self._plain = plain
+        self._generator = torch.Generator()  # for unseeded requests
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def _uniforms(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[float]:
+        """One uniform per row: seeded rows from (seed, position), the others from this sampler's stream."""
+        unseeded = iter(torch.rand(sum(p.seed is None for p in params), generator=self._generator).tolist())
+        return [
+            next(unseeded) if p.seed is None else seeded_uniform(p.seed, pos)
+            for p, pos in zip(params, positions, strict=True)
+        ]
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
+        """logits: float32 [S, V]; positions[i]: where row i's sampled token will sit in its sequence."""
+        # random rows grouped by path on the host (stable: row order within a path), so each path takes a
+        # contiguous slice and nothing waits on the device to learn a group's size
+        rand = [i for i, p in enumerate(params) if not p.greedy and p.top_k != 1]
+        rand.sort(key=lambda i: _path(params[i]))
+        if not rand:
+            return logits.argmax(dim=-1).tolist()
+        # the argmax, the row gather and the temperature each pass over [rows, vocab]: only where needed
+        greedy = sorted(set(range(len(params))) - set(rand))
+        out = torch.zeros(len(params), dtype=torch.long, device=logits.device)
+        if greedy:
+            out[greedy] = logits[greedy].argmax(dim=-1)
+        chosen = [params[i] for i in rand]
+        uniforms = self._uniforms(chosen, [positions[i] for i in rand])
+        columns = [(i, p.temperature, p.top_k, p.top_p, u) for i, p, u in zip(rand, chosen, uniforms, strict=True)]
+        table = torch.tensor(columns, dtype=torch.float64).to(logits.device)  # the one upload
+        rows = table[:, 0].long()
+        x = logits if rand == list(range(len(params))) else logits.index_select(0, rows)
+        if any(p.temperature != 1 for p in chosen):  # x / 1 is x: skipping it changes no bit
+            x = x / table[:, 1:2].float()
+        picks = draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen, self._plain)
+        return out.index_copy_(0, rows, picks).tolist()
+
+    def sample_sequences(
+        self, logits: torch.Tensor, seqs: Sequence[Request], eos_token_ids: set[int]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One step's sampling for `seqs` (row i of `logits` is seqs[i]'s next token): raw logprobs where asked
+        for, EOS and stop ids masked under min_tokens, penalties, then the draw. Returns the tokens and, per
+        row, its TokenLogprob (None where not asked for)."""
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
+        under_min = [(i, s) for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
+        mask_tokens(logits, [(i, banned_under_min_tokens(s, eos_token_ids)) for i, s in under_min])
+        apply_penalties(logits, seqs)
+        tokens = self.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs])
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if raw is not None:
+            chosen = token_logprobs(raw, [tokens[i] for i in wanted], [seqs[i].params.logprobs for i in wanted])
+            for i, entry in zip(wanted, chosen, strict=True):
+                logprobs[i] = entry
+        return tokens, logprobs
+
+
+def banned_under_min_tokens(seq: Request, eos_token_ids: set[int]) -> set[int]:
+    """Tokens that would end `seq` before min_tokens: its stop ids, and EOS unless EOS is ignored."""
+    banned = set(seq.params.stop_token_ids)
+    if not seq.params.ignore_eos:
+        banned |= eos_token_ids
+    return banned

@@ -1,0 +1,1 @@
+"""The model: the Llama forward, attention, CPU kernels, loaders and tokenizer."""

@@ -1,0 +1,361 @@
+"""Paged KV cache and attention over it, for a flattened ragged batch (every sequence's new tokens
+concatenated).
+
+Four kernels share one metadata object:
+- `cpu` (CPU, the default there): a C++ kernel that reads each token's context from the paged cache in
+  place, in fp32 (engine/model/cpu_kernels.py, engine/model/csrc/paged_attention.cpp); batch-invariant by
+  construction.
+- `sdpa` (CPU and CUDA; on CPU, where the C++ kernel cannot be built): written out in torch as matmul,
+  masked fp32 softmax, matmul, on contiguous operands in one layout for decodes and prefills alike. A
+  token's result then depends only on its query and its own context: masked keys add exact zeros, and each
+  bf16 matmul output is reduced in a fixed order. So a token's output is bitwise the same alone, batched,
+  in a chunked prefill or after a recompute, which greedy batch invariance rests on.
+  `F.scaled_dot_product_attention` on CPU was measured to change a token's low bits with the number of
+  queries computed beside it, so it is not used.
+- `flash` (CUDA only): flash-attn's varlen kernel reading the paged cache through `block_table`; it needs
+  `block_size % 256 == 0`. Fast, but without the bitwise guarantee.
+- `flash_decode` (CUDA graphs): flash-attn's `flash_attn_with_kvcache` over the same paged cache for a
+  decode-only step, with its lengths on the device (engine/model/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.model.cpu_kernels import cpu_paged_attention
+
+if TYPE_CHECKING:
+    from engine.model.cuda_graphs import DecodeGraphMetadata
+    from engine.model.llama import ModelConfig
+
+FLASH_BLOCK_MULTIPLE = 256
+# sdpa pads every key range to a multiple of this many keys (masked), so that all its matmuls take the
+# same blocked bf16 kernel: torch uses a plain loop (another summation order) for tiny ones.
+KEY_ALIGN = 32
+# sdpa attends a long prefill in runs of this many queries, each over the keys it can see: causal masking
+# then skips about half the score matrix, and the step's peak memory stays bounded.
+QUERY_CHUNK = 256
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zero-filled K or V tensor: slots never written must hold finite values (masked keys multiply them
+    by zero). On CPU it lives on its own anonymous private mapping, which the kernel promises reads as
+    zeros (mmap(2): MAP_ANONYMOUS contents are initialized to zero) and backs with memory only where it is
+    first written: a pool costs resident memory for the blocks in use, not for its size, and its pages go
+    back to the system when the tensor is freed. torch.zeros would write, and so keep, every page at once.
+    On other devices: torch.zeros."""
+    device = torch.device(device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # MAP_ANONYMOUS is implied by fileno -1; private so that the pages are this process's own
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device
+) -> list[KVCache]:
+    """One (k, v) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] (flash-attn's paged
+    layout), zero-filled (zeroed_kv_tensor)."""
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (zeroed_kv_tensor(shape, dtype, device), zeroed_kv_tensor(shape, dtype, device)) for _ in range(cfg.num_layers)
+    ]
+
+
+def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int]) -> None:
+    """Resize every K and V tensor to `num_blocks` blocks in place in `caches`, one tensor at a time: the
+    blocks in `moves` (old id -> new id) are copied first, then a new zero-filled tensor (zeroed_kv_tensor:
+    on CPU its new blocks stay unwritten, so not resident) takes the kept blocks and replaces the old one,
+    which is freed before the next tensor is made. So the transient above the old pool is the growth plus
+    one tensor, and each layer keeps one contiguous tensor (what flash-attn's paged kernel reads). A shrink
+    whose new tensor finds no device memory (another process took every free byte) stages the kept blocks
+    through host memory and frees the old tensor first; the freed tensor then holds the next one, so in
+    practice only the first is staged."""
+    if not caches:
+        return
+    device = caches[0][0].device
+    src = torch.tensor(list(moves), dtype=torch.long, device=device)
+    dst = torch.tensor(list(moves.values()), dtype=torch.long, device=device)
+    for layer in range(len(caches)):
+        for which in (0, 1):
+            old = caches[layer][which]
+            if moves:
+                old.index_copy_(0, dst, old.index_select(0, src))
+            keep = min(num_blocks, old.shape[0])
+            shape = (num_blocks, *old.shape[1:])
+            try:
+                new = zeroed_kv_tensor(shape, old.dtype, device)
+            except torch.OutOfMemoryError:
+                if num_blocks >= old.shape[0]:
+                    raise
+                kept = old[:keep].cpu()
+                del old
+                caches[layer] = _replaced(caches[layer], which, kept)  # drops the last device reference
+                new, old = zeroed_kv_tensor(shape, kept.dtype, device), kept
+            _copy_kept(new, old, keep)
+            caches[layer] = _replaced(caches[layer], which, new)
+            del old
+
+
+def swap_out_blocks(caches: list[KVCache], blocks: list[int]) -> list[KVCache]:
+    """Copies of `blocks` of every layer's K and V in host memory (preemption by swap). From a CUDA device
+    the copies land in pinned (page-locked) memory, as vLLM's swap space does: the DMA engine then moves
+    them at the PCIe link's rate, about twice what a copy through pageable memory reaches."""
+    device = caches[0][0].device
+    idx = torch.tensor(blocks, dtype=torch.long, device=device)
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty((len(blocks), *t.shape[1:]), dtype=t.dtype, pin_memory=device.type == "cuda")
+        return host.copy_(t.index_select(0, idx))
+
+    return [(to_host(k), to_host(v)) for k, v in caches]
+
+
+def swap_in_blocks(caches: list[KVCache], blocks: list[int], host: list[KVCache]) -> None:
+    """Write a swap_out_blocks copy into `blocks` (new ids, as many as were swapped out), layer by layer."""
+    device = caches[0][0].device
+    idx = torch.tensor(blocks, dtype=torch.long, device=device)
+    for (k, v), (hk, hv) in zip(caches, host, strict=True):
+        k.index_copy_(0, idx, hk.to(device))
+        v.index_copy_(0, idx, hv.to(device))
+
+
+def _copy_kept(new: torch.Tensor, old: torch.Tensor, keep: int) -> None:
+    """new[:keep] = old[:keep], into a zero-filled `new`. On CPU only the blocks with a nonzero byte are
+    copied: the others are bitwise equal to new's zeros already, and writing them would make the pages of
+    every never-used block resident."""
+    if new.device.type != "cpu":
+        new[:keep].copy_(old[:keep])
+        return
+    written = old[:keep].flatten(1).view(torch.uint8).any(dim=1).nonzero().squeeze(1)
+    new.index_copy_(0, written, old.index_select(0, written))
+
+
+def _replaced(pair: KVCache, which: int, tensor: torch.Tensor) -> KVCache:
+    return (tensor, pair[1]) if which == 0 else (pair[0], tensor)
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def check_backend(name: str, block_size: int, device: torch.device) -> None:
+    """Raise ValueError when `name` cannot run with this block size on this device."""
+    if name == "sdpa":
+        return
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU, device is {device.type}")
+        return
+    if name != "flash":
+        raise ValueError(f"unknown attention backend {name!r}: use 'cpu', 'sdpa' or 'flash'")
+    if device.type != "cuda":
+        raise ValueError("attention backend 'flash' needs a CUDA device; use 'sdpa' on CPU")
+    if block_size % FLASH_BLOCK_MULTIPLE:
+        raise ValueError(
+            f"attention backend 'flash' needs block_size to be a multiple of {FLASH_BLOCK_MULTIPLE} "
+            f"(flash-attn's paged KV requirement), got {block_size}"
+        )
+
+
+def key_blocks(context_len: int, block_size: int) -> int:
+    """Blocks the sdpa kernel reads for a context: enough for it, rounded up to whole KEY_ALIGNs."""
+    align = max(1, KEY_ALIGN // block_size)
+    return -(-context_len // (block_size * align)) * align
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the flat batch and in the paged cache, for one step.
+    Shared by every layer; the per-kernel index tensors are built once, on first use."""
+
+    backend: str
+    block_size: int
+    query_lens: list[int]  # new tokens per sequence this step
+    context_lens: list[int]  # KV tokens per sequence after this step's tokens are written
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
+
+    def blocks_for(self, context_len: int) -> int:
+        return key_blocks(context_len, self.block_size)
+
+    @cached_property
+    def query_starts(self) -> list[int]:
+        return [0, *accumulate(self.query_lens)][:-1]
+
+    @cached_property
+    def token_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the `cpu` kernel, per new token (int32 [T] each): its sequence's row in block_tables, and how
+        many keys it sees (its position + 1)."""
+        seq = [i for i, n in enumerate(self.query_lens) for _ in range(n)]
+        ctx = [c - n + j for n, c in zip(self.query_lens, self.context_lens, strict=True) for j in range(1, n + 1)]
+        return torch.tensor(seq, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
+
+    @cached_property
+    def decode_plan(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+        """Sequences with one new token attend together: (their rows in the flat batch, None when every
+        sequence decodes; their block tables cut to the longest context; key-valid mask [B, keys])."""
+        seqs = [i for i, n in enumerate(self.query_lens) if n == 1]
+        if not seqs:
+            return None
+        ctx = [self.context_lens[i] for i in seqs]
+        num_blocks = self.blocks_for(max(ctx))
+        keys = torch.arange(num_blocks * self.block_size, device=self.device)
+        mask = keys[None, :] < torch.tensor(ctx, device=self.device)[:, None]
+        if len(seqs) == len(self.query_lens):
+            return None, self.block_tables[:, :num_blocks], mask
+        rows = torch.tensor([self.query_starts[i] for i in seqs], device=self.device)
+        tables = self.block_tables.index_select(0, torch.tensor(seqs, device=self.device))[:, :num_blocks]
+        return rows, tables, mask
+
+    @cached_property
+    def prefill_plan(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per run of at most QUERY_CHUNK new tokens of a sequence with several: (first row in the flat
+        batch, token count, block table [1, blocks] cut to the run's last key, causal mask [n, keys])."""
+        plan = []
+        for i, (n, ctx) in enumerate(zip(self.query_lens, self.context_lens, strict=True)):
+            if n == 1:
+                continue
+            for first in range(0, n, QUERY_CHUNK):
+                m = min(QUERY_CHUNK, n - first)
+                end = ctx - n + first + m  # keys this run sees
+                tables = self.block_tables[i : i + 1, : self.blocks_for(end)]
+                keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
+                causal = keys[None, :] <= torch.arange(end - m, end, device=self.device)[:, None]
+                plan.append((self.query_starts[i] + first, m, tables, causal))
+        return plan
+
+    @cached_property
+    def flash_args(self) -> dict[str, object]:
+        def cumulative(lens: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=self.device)
+
+        return {
+            "cu_seqlens_q": cumulative(self.query_lens),
+            "cu_seqlens_k": cumulative(self.context_lens),
+            "max_seqlen_q": max(self.query_lens),
+            "max_seqlen_k": max(self.context_lens),
+            "block_table": self.block_tables,
+        }
+
+
+def build_attention_metadata(
+    seqs: list[tuple[int, int, list[int]]],
+    block_size: int,
+    device: str | torch.device,
+    backend: str = "sdpa",
+) -> AttentionMetadata:
+    """`seqs`: (start, num_tokens, block_table) per sequence, in batch order. Token `start + j` goes to slot
+    `block_table[p // block_size] * block_size + p % block_size` with p = start + j."""
+    slots: list[int] = []
+    for start, n, table in seqs:
+        for p in range(start, start + n):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    # padded with block 0 (finite values, masked) up to the widest range a kernel reads
+    width = max(max(len(table), key_blocks(start + n, block_size)) for start, n, table in seqs)
+    tables = [table + [0] * (width - len(table)) for _, _, table in seqs]
+    return AttentionMetadata(
+        backend=backend,
+        block_size=block_size,
+        query_lens=[n for _, n, _ in seqs],
+        context_lens=[start + n for start, n, _ in seqs],
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata | DecodeGraphMetadata
+) -> torch.Tensor:
+    """q [T, H, hd], k/v [T, KVH, hd] for the new tokens (RoPE applied). Writes k/v into their slots, then
+    returns attention output [T, H, hd]: each token attends causally to its sequence's cached context."""
+    if meta.backend == "cpu":  # writes k/v itself
+        return cpu_paged_attention(q, k, v, kv_cache, meta)
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+    if meta.backend == "flash":
+        return _flash(q, kv_cache, meta)
+    if meta.backend == "flash_decode":
+        return _flash_decode(q, kv_cache, meta)
+    return _sdpa(q, kv_cache, meta)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[B, blocks] block ids -> contiguous [B, KVH, blocks * block_size, hd]. Contiguous on purpose: matmul
+    picks its bf16 kernel (and so the summation order) from the operands' strides, and a strided view
+    takes a different kernel for B == 1 than for B > 1."""
+    b, n = tables.shape
+    _, bs, kvh, hd = cache.shape
+    # index_select: 2-3x faster than advanced indexing (cache[tables]) on CPU
+    return cache.index_select(0, tables.reshape(-1)).view(b, n * bs, kvh, hd).transpose(1, 2).contiguous()
+
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """q [B, KVH, M, hd] contiguous: each KV head's query rows, M = group * R with row g * R + r for query
+    head g of token r; tables [B, blocks]; mask [B, R, keys], True where token r sees a key. Returns
+    [B, KVH, M, hd]. Scores in the model dtype, softmax in fp32, as HF's eager attention does."""
+    # V stays [L, hd]: torch's bf16 matmul is 2.5x faster on V as [hd, L] (transposed), but that kernel
+    # rounds a row differently depending on how many rows come with it, which would break invariance.
+    keys, values = _gather(k_cache, tables), _gather(v_cache, tables)
+    b, kvh, m, _ = q.shape
+    scores = (torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5).float()
+    r = mask.shape[1]
+    scores.view(b, kvh, m // r, r, -1).masked_fill_(~mask[:, None, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
+
+
+def _sdpa(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    k_cache, v_cache = kv_cache
+    kvh, hd = k_cache.shape[2:]
+    heads = q.shape[1]
+    group = heads // kvh
+    out = q.new_empty(q.shape)  # contiguous even though q is a strided view
+    if (plan := meta.decode_plan) is not None:
+        rows, tables, mask = plan
+        b = tables.shape[0]
+        qd = q.reshape(b, kvh, group, hd) if rows is None else q.index_select(0, rows).view(b, kvh, group, hd)
+        o = _attend(qd, k_cache, v_cache, tables, mask[:, None]).view(b, heads, hd)
+        if rows is None:  # a decode-only step
+            return o
+        out.index_copy_(0, rows, o)
+    for start, n, tables, causal in meta.prefill_plan:
+        # [n, H, hd] -> [1, KVH, group * n, hd]: row g * n + j is query head (kv, g) of token j
+        qs = q[start : start + n].view(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
+        o = _attend(qs, k_cache, v_cache, tables, causal[None])
+        out[start : start + n] = o.view(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
+    return out
+
+
+def _flash(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func  # CUDA-only dependency, imported when used
+
+    k_cache, v_cache = kv_cache
+    return flash_attn_varlen_func(q, k_cache, v_cache, causal=True, **meta.flash_args)
+
+
+def _flash_decode(q: torch.Tensor, kv_cache: KVCache, meta: DecodeGraphMetadata) -> torch.Tensor:
+    """One new token per sequence, every length read on the device (`cache_seqlens`), so the launch is the
+    same whatever the step's contexts: what a captured CUDA graph needs (engine/model/cuda_graphs.py)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    k_cache, v_cache = kv_cache
+    out = flash_attn_with_kvcache(
+        q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables, causal=True
+    )
+    return out.squeeze(1)

@@ -1,0 +1,256 @@
+"""Headroom's CPU kernels (engine/model/csrc/): paged attention, RMSNorm with its residual add, RoPE, SiLU-mul, the
+sampler's plain inverse-CDF draw, and the bf16 linears on AVX512-BF16.
+
+Why compile at run time: the kernels are built with `-march=native`, so they use the vector units of the CPU
+they run on (AVX-512, AVX2, NEON) and the wheel ships no binary per CPU. The sources are plain C++ with no
+torch headers (about two seconds with g++), loaded through ctypes, which releases the GIL for each call.
+The shared object is cached under Headroom's cache directory (engine/cache_dir.py), named by a hash of the
+sources, the flags, the compiler's version and the CPU's flags, so a changed CPU or compiler rebuilds it.
+Where no compiler is found or the build fails, `load_library` says why and the backend runs the model in
+plain torch (attention `sdpa`, `TorchOps`).
+
+Every kernel computes a row from that row alone, in fp32, with reductions in a fixed order (see the
+sources), so a token's result does not depend on what else the batch holds: batch invariance is a property
+of these kernels, not a measurement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache_dir import default_cache_dir
+from engine.model.dtype_choice import read_cpu_facts
+
+if TYPE_CHECKING:
+    from engine.model.attention import AttentionMetadata, KVCache
+
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp")
+)
+HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
+# -Wno-psabi: without AVX-512, GCC notes that 16-float vectors would be passed differently; none crosses the
+# library's boundary
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")
+DTYPES = (torch.bfloat16, torch.float32)
+COMPILER_ENV = "CXX"
+
+logger = logging.getLogger("headroom.cpu_kernels")
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "headroom_paged_attention": [
+        _i32, _p, _i64, _p, _i64, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32, _f32, _p, _i32
+    ],
+    "headroom_rms_norm": [_i32, _p, _p, _p, _p, _p, _i64, _i32, _f32, _i32],
+    "headroom_rope": [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p, _i32],
+    "headroom_silu_mul": [_i32, _p, _p, _i64, _i32, _i32],
+    "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
+    "headroom_linear_bf16": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
+    "headroom_linear_available": [],
+}  # fmt: skip
+RESULTS = {"headroom_linear_available": ctypes.c_int}  # the functions that return something
+LINEAR_BLOCK = 16  # outputs per packed block of the linear kernel (engine/model/csrc/linear.cpp)
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    library: ctypes.CDLL | None
+    reason: str  # what was built or loaded, or why not
+
+
+def build(cache_root: Path | None = None, compiler: str | None = None) -> KernelBuild:
+    """Compile the kernels into the cache (once per sources, flags, compiler and CPU) and load them."""
+    compiler = shutil.which(compiler or os.environ.get(COMPILER_ENV, "g++"))
+    if compiler is None:
+        return KernelBuild(None, "no C++ compiler found (g++ or $CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    cpu = read_cpu_facts()  # -march=native compiles for this CPU: another one rebuilds
+    machine = [os.uname().machine, cpu.model, *sorted(cpu.flags)]
+    key = "\n".join([*(p.read_text() for p in (*SOURCES, *HEADERS)), *FLAGS, version, *machine])
+    target = (cache_root or default_cache_dir()) / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.so"
+    if not target.is_file():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / "kernels.so"
+                cmd = [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if proc.returncode != 0:
+                    return KernelBuild(None, f"building the CPU kernels failed: {proc.stderr.strip()[-500:]}")
+                os.replace(built, target)  # readers see the whole library or none
+        except (OSError, subprocess.SubprocessError) as e:
+            return KernelBuild(None, f"building the CPU kernels failed: {e}")
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as e:
+        return KernelBuild(None, f"loading {target} failed: {e}")
+    for name, argtypes in SIGNATURES.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = RESULTS.get(name)
+    return KernelBuild(library, f"built with {Path(compiler).name} -march=native ({target.name})")
+
+
+@functools.cache
+def load_library() -> KernelBuild:
+    """The kernels for this process, built on first use."""
+    result = build()
+    logger.info("CPU kernels: %s", result.reason)
+    return result
+
+
+def unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the kernels run here; else why not."""
+    if device.type != "cpu":
+        return f"the CPU kernels need the CPU, device is {device.type}"
+    if dtype not in DTYPES:
+        return f"the CPU kernels run bf16 and fp32, dtype is {str(dtype).removeprefix('torch.')}"
+    return load_library().reason if load_library().library is None else None
+
+
+def head_dim_unsupported(head_dim: int) -> str | None:
+    """None when the attention kernel takes this head size (whole 16-float vectors, at most 16 of them)."""
+    if head_dim % 16 or head_dim > 256:
+        return f"the CPU paged kernel needs a head size that is a multiple of 16 up to 256, the model's is {head_dim}"
+    return None
+
+
+def _lib() -> ctypes.CDLL:
+    library = load_library().library
+    assert library is not None, "a CPU kernel was called where the kernels did not build"
+    return library
+
+
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, hd] with heads and elements contiguous in a row (any row stride), as the kernels read."""
+    hd = x.shape[-1]
+    return x if x.stride(2) == 1 and x.stride(1) == hd else x.contiguous()
+
+
+def cpu_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+) -> torch.Tensor:
+    """engine/model/attention.py `paged_attention` on the C++ kernel: writes k/v into their slots and attends."""
+    k_cache, v_cache = kv_cache
+    q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
+    tokens, heads, head_dim = q.shape
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+    token_seq, token_ctx = meta.token_plan
+    tables = meta.block_tables
+    _lib().headroom_paged_attention(
+        q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        token_seq.data_ptr(), token_ctx.data_ptr(), tokens, heads, k_cache.shape[2], head_dim, meta.block_size,
+        head_dim**-0.5, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+class CpuKernelOps:
+    """The model's elementwise ops (engine/model/llama.py `TorchOps`) on the C++ kernels, each one call."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        total = x if residual is None else torch.empty_like(x)
+        res_ptr = None if residual is None else residual.contiguous().data_ptr()
+        sum_ptr = None if residual is None else total.data_ptr()
+        _lib().headroom_rms_norm(
+            x.dtype == torch.bfloat16, x.data_ptr(), res_ptr, sum_ptr, weight.data_ptr(), out.data_ptr(),
+            x.shape[0], x.shape[1], eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out, total
+
+    def rope_state(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cos, sin, positions
+
+    def rope(self, qk: torch.Tensor, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Rotates qk [T, heads, hd] in place (it is a view of the fresh q/k/v projection) and returns it."""
+        cos, sin, positions = state
+        assert qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]
+        _lib().headroom_rope(
+            qk.dtype == torch.bfloat16, qk.data_ptr(), qk.stride(0), qk.shape[0], qk.shape[1], qk.shape[2],
+            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return qk
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty((rows, width))
+        _lib().headroom_silu_mul(
+            gate_up.dtype == torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads()
+        )
+        return out
+
+
+def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """engine/core/sampler.py `draw_plain` (inverse CDF of the whole row's softmax) as one kernel call."""
+    x, u = x.float().contiguous(), u.float().contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().headroom_sample_plain(
+        x.data_ptr(), x.shape[0], x.shape[1], u.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A bf16 weight [N, K] in the linear kernel's layout, [N/16][K/2][16][2] (engine/model/csrc/linear.cpp)."""
+
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def linear_unusable_reason(dtype: torch.dtype) -> str | None:
+    """None when the model's linears run on the bf16 kernel here (the other kernels built, bf16, AVX512-BF16);
+    else why they stay on torch.
+
+    CPUs with AMX-BF16 have AVX512-BF16 too, and take the kernel as well. oneDNN's AMX tiles may run a long
+    prefill faster there (not measured: no AMX machine was at hand), but their summation order is theirs:
+    with the kernel, a bf16 model's arithmetic on the CPU is Headroom's own, and batch-invariant by
+    construction, on every CPU that runs bf16 by default."""
+    if dtype != torch.bfloat16:
+        return f"the linear kernel runs bf16, dtype is {str(dtype).removeprefix('torch.')}"
+    library = load_library().library
+    if library is None:
+        return load_library().reason
+    if not library.headroom_linear_available():
+        return "the compiler targets no AVX512-BF16 on this CPU"
+    return None
+
+
+def pack_linear(weight: torch.Tensor) -> PackedLinear | None:
+    """`weight` [N, K] in the kernel's layout, or None where its shape does not fit (N not a multiple of 16
+    or K odd): that linear stays on torch."""
+    n, k = weight.shape
+    if n % LINEAR_BLOCK or k % 2:
+        return None
+    blocks = weight.detach().view(n // LINEAR_BLOCK, LINEAR_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    return PackedLinear(blocks, n, k)
+
+
+def cpu_linear(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
+    """x [T, K] @ weight^T in bf16, each output summed in one fixed order (batch-invariant)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
+    _lib().headroom_linear_bf16(
+        x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), out.data_ptr(), x.shape[0], weight.out_features,
+        weight.in_features, torch.get_num_threads(),
+    )  # fmt: skip
+    return out

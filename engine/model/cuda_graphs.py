@@ -1,0 +1,145 @@
+"""CUDA graphs for decode steps, as vLLM and gpt-fast do it: a decode-only step of n sequences replays
+the graph captured for the smallest batch bucket that holds n, its inputs padded up to that bucket.
+
+Why: at small batch a decode step of a large model is bound by launching a few hundred kernels from
+Python, not by the GPU; one graph replay launches them all at once. Why buckets: a graph is fixed in its
+shapes, and one per batch size would cost memory and capture time for every size a server ever sees.
+
+What a graph needs, and where it comes from:
+- static inputs: token ids, positions, KV slots, block tables and sequence lengths live in buffers sized
+  for the largest bucket; a step copies its values in, and the padding rows repeat the last real row
+  (same token, position and slot), so they write that row's own K and V again and their outputs are
+  dropped;
+- attention whose launch does not depend on the step's lengths: flash-attn's `flash_attn_with_kvcache`
+  reads them from `cache_seqlens` on the device (engine/model/attention.py, backend "flash_decode"); the sdpa
+  kernel sizes its gathers on the host, so it runs eagerly;
+- the KV tensors it captured: a pool resize replaces them, so the backend drops every graph then and
+  captures again on first use.
+Prefills and mixed steps, batches above the largest bucket, and `--enforce-eager` run eagerly. A capture
+that fails turns graphs off for the process (logged), and the step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("headroom.engine")
+
+# vLLM's default capture sizes up to 256: 1, 2, 4, then every 8
+CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))
+
+Replay = Callable[[], torch.Tensor]
+Capture = Callable[[Callable[[], torch.Tensor]], Replay]
+
+
+def bucket_for(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest capture size that holds n sequences; None past the largest."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def pad_rows(values: list, size: int) -> list:
+    """`values` padded to `size` entries by repeating its last one."""
+    return values + [values[-1]] * (size - len(values))
+
+
+def cuda_graph_capture(pool: object) -> Capture:
+    """A capture into `pool` (shared by every bucket): warm up on a side stream as torch.cuda.graph
+    requires, record, and return the replay, which hands back the graph's static output."""
+
+    def capture(fn: Callable[[], torch.Tensor]) -> Replay:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+    return capture
+
+
+@dataclass
+class DecodeGraphMetadata:
+    """The attention inputs of a captured decode step, all on the device (engine/model/attention.py reads it
+    as it reads AttentionMetadata)."""
+
+    slot_mapping: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32: keys each row attends to, its new token included
+    backend: str = "flash_decode"
+
+
+class DecodeGraphs:
+    """Captured decode steps of one model over one set of KV tensors, by batch bucket."""
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, DecodeGraphMetadata], torch.Tensor],
+        max_blocks_per_seq: int,
+        device: torch.device,
+        capture: Capture,
+        sizes: tuple[int, ...] = CAPTURE_SIZES,
+    ) -> None:
+        """forward(ids, positions, meta) -> hidden [B, D]: the model over the KV tensors it captures."""
+        self.forward, self.capture, self.sizes = forward, capture, tuple(sorted(sizes))
+        top = self.sizes[-1]
+        self.ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.positions = torch.zeros(top, dtype=torch.long, device=device)
+        self.meta = DecodeGraphMetadata(
+            slot_mapping=torch.zeros(top, dtype=torch.long, device=device),
+            block_tables=torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(top, dtype=torch.int32, device=device),
+        )
+        self.width = max_blocks_per_seq
+        self.replays: dict[int, Replay] = {}
+        self.disabled = False
+
+    def fits(self, n: int, longest_table: int) -> bool:
+        return not self.disabled and bucket_for(n, self.sizes) is not None and longest_table <= self.width
+
+    def run(
+        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
+    ) -> torch.Tensor | None:
+        """Hidden states [n, D] of a decode step of n = len(ids) sequences (the caller checked `fits`), or
+        None when its graph cannot be captured (graphs are then off; run the step eagerly)."""
+        n = len(ids)
+        size = bucket_for(n, self.sizes)
+        rows = [t + [0] * (self.width - len(t)) for t in pad_rows(tables, size)]
+        host = torch.tensor([pad_rows(ids, size), pad_rows(positions, size), pad_rows(slots, size)], dtype=torch.long)
+        self.ids[:size].copy_(host[0], non_blocking=True)
+        self.positions[:size].copy_(host[1], non_blocking=True)
+        self.meta.slot_mapping[:size].copy_(host[2], non_blocking=True)
+        self.meta.seq_lens[:size].copy_(host[1] + 1, non_blocking=True)
+        self.meta.block_tables[:size].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        replay = self.replays.get(size)
+        if replay is None:
+            replay = self._capture(size)
+            if replay is None:
+                return None
+        return replay()[:n]
+
+    def _capture(self, size: int) -> Replay | None:
+        meta = DecodeGraphMetadata(
+            self.meta.slot_mapping[:size], self.meta.block_tables[:size], self.meta.seq_lens[:size]
+        )
+        try:
+            replay = self.capture(lambda: self.forward(self.ids[:size], self.positions[:size], meta))
+        except Exception:  # a capture failure must cost speed, never a request
+            logger.exception("CUDA graph capture failed at batch %d; decode runs eagerly from now on", size)
+            self.disabled = True
+            return None
+        self.replays[size] = replay
+        return replay

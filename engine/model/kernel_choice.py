@@ -1,0 +1,66 @@
+"""The attention kernel and the KV block size, chosen together.
+
+Why together: flash-attn's paged kernel reads the cache through `block_table` only when a block holds a
+multiple of 256 tokens (upstream flash_api.cpp: "Paged KV cache block size must be divisible by 256"),
+while the sdpa kernel gathers blocks and wastes less of the pool with small ones. A fixed default block
+size of 16 therefore meant `--attention auto` could never pick flash. So the block size follows the
+kernel: 256 where flash-attn runs (a CUDA device, flash_attn importable, a 16-bit dtype), else 16. An
+explicit block size is kept, and `auto` then takes flash only where that size suits it. On the CPU `auto`
+takes the C++ paged kernel (engine/model/cpu_kernels.py), which reads blocks of any size in place, and the
+torch kernel (`sdpa`) where that cannot be built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attention import FLASH_BLOCK_MULTIPLE, check_backend
+from engine.model.cpu_kernels import unusable_reason as cpu_kernel_unusable_reason
+
+SMALL_BLOCK_SIZE = 16  # small blocks waste less of the pool; the cpu and sdpa kernels have no size rule
+FLASH_BLOCK_SIZE = FLASH_BLOCK_MULTIPLE
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    attention: str  # "flash", "cpu" or "sdpa"
+    block_size: int
+    reason: str  # why, for the start-up log
+
+
+def flash_unusable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when flash-attn can run here; else what stands in the way."""
+    if device.type != "cuda":
+        return f"flash-attn needs CUDA, device is {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs a 16-bit dtype, dtype is {str(dtype).removeprefix('torch.')}"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash_attn is not installed (pip install flash-attn)"
+    return None
+
+
+def choose_kernel(attention: str, block_size: int | None, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """`attention`: auto, flash, cpu or sdpa; `block_size` None: the kernel's default. Raises ValueError when
+    an explicit choice cannot run (flash off CUDA, or with a block size it cannot page; cpu off the CPU, or
+    where it does not build)."""
+    if attention == "auto" and device.type == "cpu":
+        blocker = cpu_kernel_unusable_reason(device, dtype)
+        if blocker is None:
+            return KernelChoice("cpu", block_size or SMALL_BLOCK_SIZE, "auto: the C++ paged kernel")
+        return KernelChoice("sdpa", block_size or SMALL_BLOCK_SIZE, f"auto: sdpa ({blocker})")
+    if attention == "auto":
+        blocker = flash_unusable_reason(device, dtype)
+        if blocker is None and block_size is not None and block_size % FLASH_BLOCK_MULTIPLE:
+            blocker = f"block size {block_size} is not a multiple of {FLASH_BLOCK_MULTIPLE}"
+        if blocker is None:
+            return KernelChoice("flash", block_size or FLASH_BLOCK_SIZE, "auto: flash-attn paged KV")
+        return KernelChoice("sdpa", block_size or SMALL_BLOCK_SIZE, f"auto: sdpa ({blocker})")
+    default = FLASH_BLOCK_SIZE if attention == "flash" else SMALL_BLOCK_SIZE
+    chosen = block_size or default
+    check_backend(attention, chosen, device)
+    if attention == "cpu" and (blocker := cpu_kernel_unusable_reason(device, dtype)) is not None:
+        raise ValueError(f"attention backend 'cpu' cannot run: {blocker}")
+    return KernelChoice(attention, chosen, f"{attention}, as asked")

@@ -1,0 +1,442 @@
+"""The engine's background loop: one thread owns the LLMEngine; the asyncio side talks to it by message.
+
+Why a thread: the scheduler, KV allocator and policy are single-threaded, and a step is mostly torch
+kernels that release the GIL, so the event loop stays responsive while the engine computes. Requests and
+aborts go in through a thread-safe command queue (applied between steps, so an abort frees its KV blocks
+before the next step); outputs come back through one `loop.call_soon_threadsafe` per step that fills each
+request's asyncio queue. A request's error (bad parameters, too long) is answered on that request only; an
+exception from the step itself kills the loop, every open request is failed, and /health turns 503.
+
+Nothing else touches the engine's objects. Other threads read `snapshot` (counters the engine thread
+republishes after every step and command batch, never mutated) or send a `query` (a function run on the
+engine thread between steps, promptly when idle) for anything richer, such as the controller's state or
+a config change. Once the loop has ended, queries are refused and `policy_state` answers from the last
+state the engine thread produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.core.llm_engine import EngineDeadError, LLMEngine
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import ScheduledBatch
+from engine.core.sequence import Sequence, TokenLogprob
+from telemetry.record import StepRecord
+
+logger = logging.getLogger("headroom.server")
+
+IDLE_POLL_S = 1.0  # how long the idle loop blocks on the command queue before re-checking for stop
+DRAIN_POLL_S = 0.05  # how often a graceful drain checks whether the open requests have finished
+ABORT_WAIT_S = 10.0  # after the grace period: how long to wait for the aborted requests to be answered
+
+T = TypeVar("T")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is over `max_waiting`: the API answers 429 with Retry-After."""
+
+    def __init__(self, waiting: int, bound: int, retry_after: int = 1) -> None:
+        super().__init__(f"the server is overloaded: {waiting} requests waiting (bound {bound}); retry later")
+        self.retry_after = retry_after
+
+
+@dataclass
+class Update:
+    """New output tokens of one request; `finish_reason` set on the last update."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_text_len: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to token_ids when asked for
+
+
+_ACCEPTED = object()  # first message to a request: the engine took it
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's counters as the engine thread last published them: safe to read from any thread."""
+
+    healthy: bool
+    steps: int
+    ooms: int
+    ooms_recovered: int
+    num_running: int
+    num_waiting: int  # in the scheduler's queue; adds still in the command queue are counted apart
+    num_requests: int  # accepted and not yet finished
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    block_size: int
+    max_model_len: int
+    prefix_cache_queries: int  # tokens of admitted requests (0 with prefix caching off)
+    prefix_cache_hits: int  # of those, tokens whose KV came from the prefix cache
+
+    @classmethod
+    def of(cls, engine: LLMEngine, num_requests: int) -> EngineSnapshot:
+        """Read on the engine thread (or before it starts)."""
+        sched, alloc, cache = engine.scheduler, engine.allocator, engine.prefix_cache
+        return cls(
+            engine.healthy, engine.step_id, engine.ooms, engine.ooms_recovered, len(sched.running),
+            len(sched.waiting), num_requests, alloc.num_used, alloc.num_free, alloc.num_blocks, alloc.block_size,
+            engine.max_model_len, cache.queries if cache else 0, cache.hits if cache else 0,
+        )  # fmt: skip
+
+
+class RequestHandle:
+    """The asyncio side of one request: iterate for Updates; `abort()` when the client goes away."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_len: int) -> None:
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.num_tokens = 0
+        self.finished = False
+        self._owner = owner
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def _accepted(self) -> None:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.num_tokens += len(item.token_ids)
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Idempotent; a no-op once the request finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner._commands.put(("abort", self.request_id))
+
+
+@dataclass
+class _Live:
+    handle: RequestHandle
+    sent: int = 0  # output tokens already published
+
+
+@dataclass
+class _Add:
+    handle: RequestHandle
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class AsyncEngine:
+    engine: LLMEngine
+    max_waiting: int = 256
+    on_step: list[Callable[[StepRecord], None]] = field(default_factory=list)
+    on_finish: list[Callable[[Sequence], None]] = field(default_factory=list)
+    warm_up: Callable[[], None] | None = None  # run on the engine thread before its first step
+
+    def __post_init__(self) -> None:
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submit against death/stop, guards _pending
+        self._pending = 0  # adds queued but not yet applied
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._outbox: list[tuple[RequestHandle | asyncio.Future[Any], Any]] = []  # engine thread only
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False  # no more adds: draining or stopped
+        self._closed = False  # the loop has ended: no more commands are applied
+        self.error: BaseException | None = None
+        self.snapshot = EngineSnapshot.of(self.engine, 0)
+        self._last_state: dict[str, Any] = self.engine.policy.state()
+        self.engine.step_listeners.append(self._step_listener)
+        self.engine.finish_listeners.append(self._finish_listener)
+
+    # ---- lifecycle (event loop thread) -------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="headroom-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def begin_drain(self) -> None:
+        """Stop admitting (new requests get EngineDeadError, a 503); open requests keep running."""
+        with self._lock:
+            self._stopping = True
+
+    @property
+    def draining(self) -> bool:
+        return self._stopping and not self._closed
+
+    async def drain(self, grace: float) -> int:
+        """Stop admitting, let the open requests finish for up to `grace` seconds, then abort the rest.
+        Returns how many were aborted."""
+        self.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.num_unfinished() and loop.time() < deadline and not self._closed:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = self.num_unfinished()
+        if left and not self._closed:
+            self._commands.put(("abort_all",))
+            deadline = loop.time() + ABORT_WAIT_S
+            while self.num_unfinished() and loop.time() < deadline and not self._closed:
+                await asyncio.sleep(DRAIN_POLL_S)
+        return left
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and self.snapshot.healthy
+
+    def num_waiting(self) -> int:
+        return self.snapshot.num_waiting + self._pending
+
+    def num_running(self) -> int:
+        return self.snapshot.num_running
+
+    def num_unfinished(self) -> int:
+        """Requests accepted or queued for acceptance, and not finished."""
+        return self.snapshot.num_requests + self._pending
+
+    # ---- queries (event loop thread) ---------------------------------------------------------------
+    async def query(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result (its exception is
+        raised here). EngineDeadError when the loop is not running."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._thread is None or self._closed:
+                raise EngineDeadError(self.dead_reason())
+            self._commands.put(("query", fn, future))
+        return await future
+
+    async def policy_state(self) -> dict[str, Any]:
+        """The controller's state, fresh from the engine thread; the last one seen when the loop is dead."""
+        with contextlib.suppress(EngineDeadError):
+            self._last_state = await self.query(lambda engine: engine.policy.state())
+        return self._last_state
+
+    async def update_config(self, patch: dict[str, Any]) -> dict[str, Any]:
+        """Apply a controller config patch on the engine thread; the policy's ValueError is raised here."""
+
+        def apply(engine: LLMEngine) -> dict[str, Any]:
+            engine.policy.update_config(patch)
+            return engine.policy.state()
+
+        self._last_state = await self.query(apply)
+        return self._last_state
+
+    # ---- requests (event loop thread) --------------------------------------------------------------
+    async def add(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request and wait until the engine accepted it. Raises the engine's RequestError (400),
+        EngineDeadError (503) or QueueFullError (429)."""
+        handle = RequestHandle(self, f"req-{next(self._ids)}", len(prompt_ids))
+        arrival = self.engine.backend.now()  # a clock read: thread-safe on every backend
+        with self._lock:
+            if self.error is not None or self._stopping or not self.snapshot.healthy:
+                raise EngineDeadError(self.dead_reason())
+            waiting = self.num_waiting()
+            if waiting >= self.max_waiting:
+                raise QueueFullError(waiting, self.max_waiting)
+            self._pending += 1
+            self._commands.put(("add", _Add(handle, list(prompt_ids), params, arrival)))
+        try:
+            await handle._accepted()
+        except asyncio.CancelledError:
+            handle.abort()
+            raise
+        return handle
+
+    def dead_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine loop stopped: {type(self.error).__name__}: {self.error}"
+        if self._stopping:
+            return "the server is shutting down"
+        if self._thread is None:
+            return "the engine loop has not started"
+        return "the engine is unhealthy after an out-of-memory error its policy cannot recover from"
+
+    # ---- the loop (engine thread) ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self.warm_up is not None:
+                self.warm_up()
+            while True:
+                if not self._drain(block=not self.engine.has_unfinished()):
+                    break
+                self._flush()
+                if self.engine.has_unfinished():
+                    touched = self.engine.step()
+                    phases = self.engine.phases
+                    with phases.span("detokenize_stream"):
+                        self._publish(touched)
+                    with phases.span("telemetry"):
+                        self.snapshot = EngineSnapshot.of(self.engine, len(self._live))
+                    with phases.span("detokenize_stream"):
+                        self._flush()
+        except BaseException as e:  # noqa: BLE001 - anything that escapes a step ends the loop
+            logger.exception("the engine loop died")
+            self.error = e
+        self._keep_last_state()
+        self._fail_all(EngineDeadError(self.dead_reason()))
+
+    def _keep_last_state(self) -> None:
+        """What policy_state answers once the loop is gone (the policy may be broken by what killed it)."""
+        try:
+            self._last_state = self.engine.policy.state()
+        except Exception:  # noqa: BLE001
+            logger.exception("cannot read the controller's last state")
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; blocks for the first when idle. False on a stop command. The snapshot
+        is republished together with the count of adds applied, so num_waiting never misses one."""
+        try:
+            cmd = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        added = 0
+        try:
+            while cmd[0] != "stop":
+                self._apply(cmd)
+                added += cmd[0] == "add"
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            self._pending -= added
+            self.snapshot = EngineSnapshot.of(self.engine, len(self._live))
+        return cmd[0] != "stop"
+
+    def _apply(self, cmd: tuple[Any, ...]) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            self._apply_add(cmd[1])
+        elif kind == "abort" and cmd[1] in self._live:
+            self.engine.abort(cmd[1])  # the finish listener publishes and forgets it
+        elif kind == "abort_all":
+            for rid in list(self._live):
+                self.engine.abort(rid)
+        elif kind == "query":
+            self._answer(cmd[1], cmd[2])
+
+    def _answer(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future[Any]) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as e:  # noqa: BLE001 - the asker's error (a bad config patch), not the loop's
+            result = e
+        self._outbox.append((future, result))
+
+    def _apply_add(self, add: _Add) -> None:
+        params, rid = add.params, add.handle.request_id
+        try:
+            if params.max_tokens is None:
+                params.max_tokens = self._default_max_tokens(len(add.prompt_ids))
+            self.engine.add_request(rid, add.prompt_ids, params, arrival_time=add.arrival_time)
+        except Exception as e:  # noqa: BLE001 - a request's error is that request's answer, never the loop's
+            self._outbox.append((add.handle, e))
+            return
+        self._live[rid] = _Live(add.handle)
+        self._outbox.append((add.handle, _ACCEPTED))
+
+    def _default_max_tokens(self, prompt_len: int) -> int:
+        """'Up to the context' (chat without max_tokens), but never more than the whole KV pool holds:
+        otherwise a small pool (the twin's) would reject every such request."""
+        alloc = self.engine.allocator
+        room = min(self.engine.max_model_len, alloc.num_blocks * alloc.block_size) - prompt_len
+        return max(1, room)
+
+    def _publish(self, touched: list[Sequence]) -> None:
+        for seq in touched:
+            live = self._live.get(seq.request_id)
+            if live is not None and len(seq.output_ids) > live.sent:
+                new = slice(live.sent, None)
+                self._outbox.append((live.handle, Update(seq.output_ids[new], logprobs=seq.output_logprobs[new])))
+                live.sent = len(seq.output_ids)
+
+    def _finish_listener(self, seq: Sequence) -> None:
+        live = self._live.pop(seq.request_id, None)
+        if live is not None:
+            new = slice(live.sent, None)
+            reason = seq.finish_reason or "abort"
+            update = Update(seq.output_ids[new], reason, seq.stop_text_len, seq.output_logprobs[new])
+            self._outbox.append((live.handle, update))
+        for listener in self.on_finish:
+            self._call(listener, seq)
+
+    def _step_listener(self, record: StepRecord, batch: ScheduledBatch) -> None:
+        for listener in self.on_step:
+            self._call(listener, record)
+
+    @staticmethod
+    def _call(listener: Callable[[Any], None], arg: Any) -> None:
+        """Telemetry must not take serving down: a failing listener is logged, not raised."""
+        try:
+            listener(arg)
+        except Exception:  # noqa: BLE001
+            logger.exception("listener %r failed", listener)
+
+    def _flush(self) -> None:
+        if not self._outbox or self._loop is None:
+            return
+        batch, self._outbox = self._outbox, []
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """The loop ended: fail every open and queued request so no client waits forever."""
+        with self._lock:
+            self._stopping = self._closed = True
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    self._pending -= 1
+                    self._outbox.append((cmd[1].handle, error))
+                elif cmd[0] == "query":
+                    self._outbox.append((cmd[2], error))
+            self.snapshot = EngineSnapshot.of(self.engine, 0)
+        for live in self._live.values():
+            self._outbox.append((live.handle, error))
+        self._live.clear()
+        self._flush()
+
+
+def _deliver(batch: list[tuple[RequestHandle | asyncio.Future[Any], Any]]) -> None:
+    for target, item in batch:
+        if isinstance(target, RequestHandle):
+            target._queue.put_nowait(item)
+        elif target.done():  # the asker went away (cancelled)
+            continue
+        elif isinstance(item, BaseException):
+            target.set_exception(item)
+        else:
+            target.set_result(item)

@@ -1,0 +1,103 @@
+"""The engine requests behind one API answer: one per prompt and sample, merged into one stream of updates.
+
+Every choice (prompt i's sample j, index i * n + j as vLLM numbers them) is its own engine request, as
+vLLM's parallel sampling makes them: they batch with the rest of the traffic and finish independently. The
+answer ends when all have finished; if it ends early (client gone, an error, shutdown) `close` aborts
+every one of them, so no sibling keeps holding KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.core.llm_engine import EngineDeadError
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import TokenLogprob
+from engine.serving.async_engine import AsyncEngine, RequestHandle, Update
+from engine.serving.errors import SERVER_ERROR, APIError, engine_error
+from engine.serving.text import TextStream
+
+
+@dataclass
+class Choice:
+    index: int
+    handle: RequestHandle
+    text: TextStream
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # every output token's, when asked for
+    finish_reason: str | None = None
+
+    def advance(self, update: Update) -> str:
+        """Take one engine update; returns the text now safe to send. The last update sets `finish_reason`;
+        an engine-ended request ("error": an unrecovered OOM; "abort") is a 503."""
+        self.logprobs.extend(update.logprobs)
+        delta = self.text.add(update.token_ids)
+        reason = update.finish_reason
+        if reason is None:
+            return delta
+        if reason not in ("stop", "length"):
+            raise APIError(503, f"the request was ended by the engine ({reason})", SERVER_ERROR, None, "engine_error")
+        self.finish_reason = reason
+        return delta + self.text.finish(update.stop_text_len)
+
+
+async def submit(engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]], tokenizer: Any) -> list[Choice]:
+    """Add every request at once; if any is refused, abort those accepted and answer the first refusal."""
+    results = await asyncio.gather(*(engine.add(ids, params) for ids, params in requests), return_exceptions=True)
+    refused = [r for r in results if not isinstance(r, RequestHandle)]
+    if refused:
+        for r in results:
+            if isinstance(r, RequestHandle):
+                r.abort()
+        raise engine_error(refused[0]) from refused[0]
+    return [
+        Choice(i, handle, TextStream(tokenizer, params.stop))
+        for i, (handle, (_, params)) in enumerate(zip(results, requests, strict=True))
+    ]
+
+
+class ChoiceUpdates:
+    """The updates of all choices in arrival order: one task per engine request feeds one queue, so a
+    waiter can time out on `get` without losing an update."""
+
+    def __init__(self, choices: list[Choice]) -> None:
+        self.choices = choices
+        self._queue: asyncio.Queue[tuple[Choice, Update | EngineDeadError]] = asyncio.Queue()
+        self._open = len(choices)
+        self._pumps = [asyncio.create_task(self._pump(c)) for c in choices]
+
+    async def _pump(self, choice: Choice) -> None:
+        try:
+            async for update in choice.handle:
+                self._queue.put_nowait((choice, update))
+        except EngineDeadError as e:  # the loop died or stopped while this request ran
+            self._queue.put_nowait((choice, e))
+
+    @property
+    def done(self) -> bool:
+        return self._open == 0
+
+    async def get(self) -> tuple[Choice, Update]:
+        """The next update of any open choice (do not call once `done`)."""
+        choice, item = await self._queue.get()
+        if isinstance(item, EngineDeadError):
+            raise engine_error(item) from item
+        if item.finish_reason is not None:
+            self._open -= 1
+        return choice, item
+
+    def __aiter__(self) -> ChoiceUpdates:
+        return self
+
+    async def __anext__(self) -> tuple[Choice, Update]:
+        if self.done:
+            raise StopAsyncIteration
+        return await self.get()
+
+    def close(self) -> None:
+        """Idempotent: stop listening and abort every choice still running."""
+        for task in self._pumps:
+            task.cancel()
+        for choice in self.choices:
+            choice.handle.abort()

@@ -1,0 +1,168 @@
+"""Run the API server from an EngineConfig and a ServerConfig: build the engine, wire telemetry, serve under
+uvicorn, and drain on SIGTERM. The CLI (engine/serving/cli.py) and any other launcher build the configs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+from fastapi import FastAPI
+
+from engine.config import EngineConfig, ServerConfig
+from engine.core.sequence import Sequence
+from engine.factory import build_engine
+from engine.serving.app import create_app
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.context import AppContext, is_loopback
+from engine.serving.standin import StandInTokenizer
+from telemetry.metrics import Metrics, RequestTiming
+from telemetry.trace import StepTrace
+
+logger = logging.getLogger("headroom.server")
+
+TRACE_CAPACITY = 1024  # step records kept in memory for /controller/state
+
+
+def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
+    """The ready-to-run FastAPI app (engine built, telemetry wired, loop not yet started)."""
+    if ecfg.backend == "torch":
+        logger.info("loading model %s (device %s, dtype %s)", ecfg.model, ecfg.device, ecfg.dtype)
+    else:
+        logger.info("loading twin profile %s", ecfg.profile)
+    t0 = time.monotonic()
+    engine = build_engine(ecfg)  # sizes the KV pool where the controller owns it
+    backend = engine.backend
+    if ecfg.backend == "torch":
+        logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
+        logger.info("attention %s, block size %d (%s)", backend.attention, backend.block_size, backend.kernel_reason)
+    logger.info(
+        "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
+        backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
+    )  # fmt: skip
+    names = list(dict.fromkeys(scfg.served_model_name or [backend.model_name, ecfg.model]))
+    name = names[0]
+    metrics = Metrics(name, backend.max_model_len)
+    trace = StepTrace(TRACE_CAPACITY, path=scfg.trace_file)
+
+    def observe_finished(seq: Sequence) -> None:
+        timing = RequestTiming(
+            arrival=seq.arrival_time,
+            finished=backend.now(),
+            first_scheduled=seq.first_scheduled_time,
+            first_token=seq.first_token_time,
+            token_times=list(seq.token_times),
+        )
+        metrics.observe_request_finished(seq.prompt_len, len(seq.output_ids), seq.finish_reason or "abort", timing)
+
+    def warm_up() -> None:
+        logger.info("warm-up on the engine thread: %.2f s", backend.warm_up())
+
+    server = AsyncEngine(
+        engine,
+        scfg.max_waiting,
+        on_step=[metrics.observe_step, trace.append],
+        on_finish=[observe_finished],
+        warm_up=warm_up if ecfg.backend == "torch" else None,
+    )
+    config = getattr(backend, "config", None)
+    ctx = AppContext(
+        engine=server,
+        model_name=name,
+        tokenizer=backend.tokenizer or StandInTokenizer(),
+        api_key=scfg.api_key,
+        metrics=metrics,
+        trace=trace,
+        vocab_size=getattr(config, "vocab_size", None) or getattr(backend, "vocab_size", None),
+        other_names=tuple(names[1:]),
+        admin_key=scfg.admin_key,
+        bind_host=scfg.host,
+    )
+    if ctx.admin_locked:
+        logger.warning(
+            "listening on %s, beyond loopback, with no --admin-key or --api-key: PATCH /controller/config "
+            "answers 403 (set --admin-key or $HEADROOM_ADMIN_KEY to allow it)",
+            scfg.host,
+        )
+    elif ctx.api_key is None and not is_loopback(scfg.host):
+        logger.warning("listening on %s, beyond loopback, with no --api-key: /v1/* is open to anyone", scfg.host)
+    logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, scfg.max_waiting)
+    return create_app(ctx)
+
+
+def draining_server(config: Any, engine: AsyncEngine, grace: float) -> Any:
+    """A uvicorn.Server whose first SIGTERM or SIGINT drains instead of stopping at once: new requests get
+    503 while the socket still answers, open ones finish (aborted after `grace` seconds), then uvicorn
+    shuts down. The signal is not re-raised afterwards, so a drained server exits 0 (uvicorn re-raises
+    it, and the process ends with 143). A second signal stops at once."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        draining: asyncio.Task[None] | None = None
+
+        async def serve(self, sockets: list[Any] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets=sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            """Runs in a signal handler: only hand the drain to the event loop (thread-safe wake-up)."""
+            if self.draining is not None or self.loop is None:
+                self.force_exit = self.should_exit
+                self.should_exit = True
+                return
+            logger.info("%s: draining (grace %.0f s)", signal.Signals(sig).name, grace)
+            self.loop.call_soon_threadsafe(self.start_drain)
+
+        def start_drain(self) -> None:
+            if self.draining is None:
+                self.draining = asyncio.get_running_loop().create_task(self.drain())
+
+        async def drain(self) -> None:
+            aborted = await engine.drain(grace)
+            if aborted:
+                logger.warning("aborted %d requests still open after the %.0f s grace period", aborted, grace)
+            self.should_exit = True
+
+    return DrainingServer(config)
+
+
+def serve(ecfg: EngineConfig, scfg: ServerConfig) -> int:
+    """Build the app and serve it until a signal drains it; 0 after a clean drain, 1 if it cannot listen."""
+    import uvicorn
+
+    logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(message)s", stream=sys.stderr)
+    app = build_app(ecfg, scfg)
+    config = uvicorn.Config(
+        app,
+        host=scfg.host,
+        port=scfg.port,
+        log_level="warning" if scfg.log_level == "info" else scfg.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    try:
+        sock = config.bind_socket()
+    except (OSError, SystemExit) as e:
+        logger.error("cannot listen on %s:%s: %s", scfg.host, scfg.port, e)
+        return 1
+    port = sock.getsockname()[1]
+    host = f"[{scfg.host}]" if ":" in scfg.host else scfg.host
+    url = f"http://{host}:{port}"
+    logger.info("listening on %s", url)
+    server = draining_server(config, app.state.ctx.engine, scfg.shutdown_grace)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"Headroom ready at {url}", flush=True)
+        await task
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,87 @@
+"""One replica of the fleet: one engine with its own controller, built from the configs' JSON, serving the same
+FastAPI app as `headroom serve` (through `forwarding.call_app`).
+
+It publishes what the headroom router needs (`record_routing_stats`, which Ray Serve polls) and pushes its
+`/metrics` text to the metrics board every `METRICS_PUSH_S`, for the ingress to merge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from controller.limits import UNLIMITED
+from engine.config import EngineConfig, ServerConfig
+from engine.core.llm_engine import EngineDeadError, LLMEngine
+from engine.serving.launch import build_app
+from engine.serving.ray_serve.forwarding import ForwardedRequest, call_app
+from engine.serving.ray_serve.metrics_board import metrics_board
+
+logger = logging.getLogger("headroom.ray")
+
+METRICS_PUSH_S = 1.0
+REPLICA_HEADER = b"x-headroom-replica"
+_METRICS = ForwardedRequest("GET", "/metrics", b"", (), b"", 0)
+
+
+def step_stats(engine: LLMEngine) -> dict[str, Any]:
+    """Run on the engine thread: the prompt tokens the next step admits and those queued to prefill."""
+    policy = engine.policy
+    effective = getattr(policy, "effective_prefill_tokens", None)
+    step_tokens = effective() if effective is not None else policy.limits().max_prefill_tokens
+    sched = engine.scheduler
+    queued = sum(max(0, seq.prompt_len - seq.num_computed) for seq in [*sched.waiting, *sched.running])
+    return {"effective_prefill_tokens": min(step_tokens, UNLIMITED), "queued_prefill_tokens": queued}
+
+
+class EngineReplica:
+    async def __init__(self, engine_json: str, server_json: str) -> None:
+        self.app = build_app(EngineConfig.from_json(engine_json), ServerConfig.from_json(server_json))
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()  # starts the engine loop on this replica's event loop
+        self.engine = self.app.state.ctx.engine
+        self.replica = serve.get_replica_context().replica_tag
+        self._board = metrics_board()
+        self._pusher = asyncio.create_task(self._push_metrics())
+
+    async def handle(self, request: ForwardedRequest) -> AsyncIterator[dict[str, Any]]:
+        """The app's ASGI messages for one forwarded request (call with `handle.options(stream=True)`); the
+        answer names its replica in `x-headroom-replica`."""
+        async for message in call_app(self.app, request):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (REPLICA_HEADER, self.replica.encode())]}
+            yield message
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the headroom router reads (headroom_policy.Headroom.of), with when it was taken."""
+        snap = self.engine.snapshot
+        stats: dict[str, Any] = {
+            "healthy": self.engine.healthy,
+            "kv_blocks_free": snap.kv_blocks_free,
+            "block_size": snap.block_size,
+            "num_waiting": self.engine.num_waiting(),
+            "num_running": snap.num_running,
+            "published_at": time.time(),
+        }
+        with contextlib.suppress(EngineDeadError):
+            stats.update(await self.engine.query(step_stats))
+        return stats
+
+    async def _metrics_text(self) -> str:
+        return b"".join([m.get("body", b"") async for m in call_app(self.app, _METRICS)]).decode()
+
+    async def _push_metrics(self) -> None:
+        """For the replica's life: its /metrics text and pid onto the board."""
+        while True:
+            try:
+                await self._board.put.remote(self.replica, await self._metrics_text(), os.getpid())
+            except Exception:  # noqa: BLE001 - a missed push only ages this replica's series
+                logger.exception("cannot publish metrics")
+            await asyncio.sleep(METRICS_PUSH_S)

@@ -1,0 +1,50 @@
+"""The headroom-aware Ray Serve request router: `headroom_policy.rank` over the replicas' published stats.
+
+Configured on the engine deployment (`request_router_config`), it runs wherever a handle to that deployment
+lives, i.e. in the ingress. Requests are routed in FIFO order (Ray's FIFOMixin); each rank this router returns
+holds one replica, so Ray takes them in the order given and only skips one whose queue is full.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from engine.serving.ray_serve.headroom_policy import Headroom, Ledger, rank
+
+
+def _prompt_tokens(request: PendingRequest | None) -> int:
+    if request is None or not request.args:
+        return 0
+    return int(getattr(request.args[0], "prompt_tokens", 0))
+
+
+class HeadroomRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._ledger = Ledger()
+        self._rng = random.Random()
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        prompt = _prompt_tokens(pending_request)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        views = {
+            rid: Headroom.of(r.routing_stats, self._ledger.routed_since(rid, r.routing_stats.get("published_at")))
+            for rid, r in by_id.items()
+        }
+        return [[by_id[rid]] for rid in rank(views, prompt, self._rng)]
+
+    async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False) -> Any:
+        """Ray's choice (FIFO: it may serve an older request with the replica chosen for this one), entered in
+        the ledger with the prompt of the request it serves. Ray reports a routed request to
+        `on_request_routed` only when replicas may reject, so the ledger hooks in here."""
+        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        self._ledger.add(replica.replica_id, _prompt_tokens(pending_request))
+        return replica
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ledger.forget(replica_id)
