@@ -12,8 +12,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
-# g++ builds the CPU kernels (engine/model/cpu_kernels.py) for the CPU the container runs on, at first start
-# (about two seconds); without it the CPU backend runs the model in plain torch, which is slower.
+# g++ builds the CPU kernels (engine/model/cpu_kernels.py) for the CPU the container runs on, at first start;
+# without it the CPU backend runs the model in plain torch, which is slower (it logs a warning saying so).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch first and on its own layer: it is the big one and changes least.

@@ -2,38 +2,32 @@
 model's shapes, for fp32 and bf16, unpadded and padded to several row counts. Prints a markdown table
 (the first mismatch found, or "invariant") and the facts `--dtype auto` decides from.
 
-    .venv/bin/python bench/batch_invariance.py
+    python -m bench.batch_invariance
     # an AVX2-only CPU, emulated:
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-        .venv/bin/python bench/batch_invariance.py
+        python -m bench.batch_invariance
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.model.batch_invariance import linear_row_mismatch  # noqa: E402
-from engine.model.dtype_choice import choose_dtype, read_cpu_facts  # noqa: E402
-from engine.model.loaders import load  # noqa: E402
+from bench.harness.machine import machine_line
+from engine.model.batch_invariance import linear_row_mismatch
+from engine.model.dtype_choice import choose_dtype, read_cpu_facts
+from engine.model.loaders import load
 
 MIN_ROWS = (1, 2, 8, 16)
 
 
 def main() -> None:
     facts = read_cpu_facts()
-    print(
-        f"CPU: {facts.summary()}; torch {torch.__version__}, ATen capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
-    )
+    print(machine_line())
+    print(f"ATen capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
     print(f"--dtype auto: {choose_dtype('auto', torch.device('cpu'), facts)}")
-    print(f"load average at start: {os.getloadavg()[0]:.2f}\n")
+    print()
     shapes = load("default").model.linear_shapes()
     print(f"linear shapes (in, out): {shapes}\n")
     print("| dtype | min_rows | probe | seconds |\n|---|---|---|---|")

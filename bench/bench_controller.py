@@ -1,24 +1,24 @@
 """Cost of the adaptive controller's decision per engine step (budget: 100 us on the CPU it runs on).
 
-One step = limits() + the scheduler's fit calls (one fit_decodes for the running sequences, a fit_chunk per
-prompt chunk) + observe(record). Synthetic records from a plant like the 4090 twin's (0.5 MiB per
+One step = step_budget() + the scheduler's fit calls through a Packer (one fit_decodes for the running sequences, a
+fit_chunk per prompt chunk) + observe(record, cuts). Synthetic records from a plant like the 4090 twin's (0.5 MiB per
 token through lm_head, 40 MiB per prompt), every step sampled (the worst case for the probe side).
 Prints a markdown table; --out writes it to a file.
 
-    .venv/bin/python bench/bench_controller.py --steps 20000 --out bench/results/controller_decision.md
+    python -m bench.bench_controller --steps 20000 --out bench/results/controller_decision.md
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
+from bench.harness.machine import load_average, machine_line
+from bench.harness.report import Stamp, write_report
 from controller.adaptive import AdaptivePolicy
+from controller.step_budget import Packer
 from telemetry.record import MemorySample, StepRecord, StepShape
 
 # CPU time of this process, not wall time: the cost is what the controller burns, and on a shared
@@ -46,14 +46,15 @@ def make_record(step: int, shape: StepShape, rng: random.Random) -> StepRecord:
 def one_step(pol: AdaptivePolicy, decodes: int, chunks: int, rng: random.Random, step: int) -> tuple[int, StepRecord]:
     """The policy calls of one step, timed; returns (ns, record to observe next)."""
     t0 = CLOCK()
-    lim = pol.limits()
+    packer = Packer(pol.step_budget())
+    lim = packer.budget.limits
     shape = StepShape()
-    n = pol.fit_decodes(shape, [1000] * decodes)  # the scheduler builds this list anyway
+    n = packer.decodes(shape, [1000] * decodes)  # the scheduler builds this list anyway
     shape.decode_seqs += n
     shape.sum_context += 1000 * n
     shape.sampled_seqs += n
     for _ in range(chunks):
-        c = pol.fit_chunk(shape, 0, min(2048, max(1, lim.max_prefill_tokens - shape.prefill_tokens)))
+        c = packer.chunk(shape, 0, min(2048, max(1, lim.max_prefill_tokens - shape.prefill_tokens)))
         if not c:
             break
         shape.prefill_tokens += c
@@ -64,7 +65,7 @@ def one_step(pol: AdaptivePolicy, decodes: int, chunks: int, rng: random.Random,
     t1 = CLOCK()
     rec = make_record(step, shape, rng)
     t2 = CLOCK()
-    pol.observe(rec)
+    pol.observe(rec, packer.cuts())
     t3 = CLOCK()
     return (t1 - t0) + (t3 - t2), rec
 
@@ -95,17 +96,18 @@ def parts(steps: int) -> dict[str, float]:
     shape = StepShape(decode_seqs=16, sum_context=16000, sampled_seqs=16)
     n = steps
     contexts = [1000] * 32
+    budget = pol.step_budget()
     t = CLOCK()
     for _ in range(n):
-        pol.fit_decodes(shape, contexts)
+        budget.fit_decodes(shape, contexts)
     fd = (CLOCK() - t) / n / 1000
     t = CLOCK()
     for _ in range(n):
-        pol.fit_chunk(shape, 512, 4096)
+        budget.fit_chunk(shape, 512, 4096)
     fc = (CLOCK() - t) / n / 1000
     t = CLOCK()
     for _ in range(n):
-        pol.limits()
+        pol.step_budget()
     li = (CLOCK() - t) / n / 1000
     recs = [
         make_record(
@@ -126,7 +128,7 @@ def parts(steps: int) -> dict[str, float]:
     for r in recs:
         pol.observe(r)
     ob = (CLOCK() - t) / n / 1000
-    return {"fit_decodes (32 candidates)": fd, "fit_chunk": fc, "limits": li, "observe": ob}
+    return {"fit_decodes (32 candidates)": fd, "fit_chunk": fc, "step_budget": li, "observe": ob}
 
 
 def python_speed() -> float:
@@ -143,6 +145,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    stamp, load_before = Stamp("python -m bench.bench_controller"), load_average()
     cases = [
         ("observe + limits + 2 decodes + 2 fit_chunk", 2, 2, 1),
         ("decode 32, no prefill", 32, 0, 1),
@@ -153,15 +156,11 @@ def main() -> None:
     lines = [
         "# Controller decision cost per engine step",
         "",
-        f"Command: `.venv/bin/python bench/bench_controller.py --steps {args.steps}"
-        + (f" --out {args.out}`" if args.out else "`"),
-        "",
-        f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}; "
-        "one step = limits() + one fit_decodes over the running sequences + fit_chunk per prompt chunk + "
-        "observe(record), every record sampled (the two estimators run RLS on a surprise, else at least every "
+        "One step = step_budget() + one fit_decodes over the running sequences + fit_chunk per prompt chunk + "
+        "observe(record, cuts), every record sampled (the two estimators run RLS on a surprise, else at least every "
         "8th step; the other steps still update residuals, budget, law and KV ratio). "
         "Times are CPU time of the process (time.process_time_ns), so load from other processes on the "
-        f"machine (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the run) does not count.",
+        "machine does not count.",
         "",
         "| step | mean us | p50 us | p99 us | max us |",
         "|---|---|---|---|---|",
@@ -179,11 +178,10 @@ def main() -> None:
         "Budget: 100 us per step. Everything but fit_chunk is paid once per step; fit_decodes checks all "
         "decode candidates with one sum when they all fit, so only building the context list grows with the "
         "batch.",
+        "",
+        machine_line(load_before),
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    write_report(args.out, lines, stamp)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Besides wall-clock tok/s it reports tokens per CPU-second of this process: on a 
 busy processes, wall time mostly measures the neighbours, while with --threads 1 CPU time still measures
 the engine (with more threads it also counts OpenMP's spin-waiting).
 
-    .venv/bin/python bench/bench_engine.py --dtype bfloat16 --threads 2
+    python -m bench.bench_engine --dtype bfloat16 --threads 2
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import time
 
 import torch
 
+from bench.harness.machine import load_average, machine_line
 from engine.backends.torch_backend import TorchBackend
+from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.core.kv_cache import BlockAllocator
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch, ScheduledSeq
 from engine.core.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=None)
@@ -35,10 +36,10 @@ def random_ids(n: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def timed(backend: TorchBackend, batch: ScheduledBatch) -> tuple[list[int], float, float]:
+def timed(backend: TorchBackend, batch: SchedulerOutput) -> tuple[list[int], float, float]:
     """execute(batch): (tokens, wall seconds, CPU seconds of this process)."""
     wall, cpu = time.perf_counter(), time.process_time()
-    tokens = backend.execute(batch)
+    tokens = backend.execute(batch).sampled
     return tokens, time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -49,8 +50,8 @@ def bench_prefill(backend: TorchBackend, tokens: int, repeats: int, rng: random.
     for _ in range(repeats):
         seq = Sequence("p", random_ids(tokens, backend.config.vocab_size, rng), GREEDY, 1)
         seq.block_table = alloc.allocate(alloc.blocks_for(tokens))
-        batch = ScheduledBatch()
-        batch.add(ScheduledSeq(seq, 0, tokens, True))
+        batch = SchedulerOutput()
+        batch.add(ScheduledItem.of(seq, 0, tokens, True))
         times.append(timed(backend, batch)[1:])
         alloc.free(seq.block_table)
     return tokens / min(t[0] for t in times), tokens / min(t[1] for t in times)
@@ -71,9 +72,9 @@ def bench_decode(
         seqs.append(seq)
     durations = []
     for _ in range(steps + 1):
-        batch = ScheduledBatch()
+        batch = SchedulerOutput()
         for seq in seqs:
-            batch.add(ScheduledSeq(seq, seq.num_computed, 1, False))
+            batch.add(ScheduledItem.of(seq, seq.num_computed, 1, False))
         tokens, wall, cpu = timed(backend, batch)
         durations.append((wall, cpu))
         for seq, token in zip(seqs, tokens, strict=True):
@@ -106,8 +107,8 @@ def main() -> None:
     backend = TorchBackend(args.model, dtype=args.dtype, device="cpu", num_blocks=num_blocks, attention=args.attention)
     rng = random.Random(0)
     bench_prefill(backend, 128, 1, rng)  # warm-up
-    print(f"model {backend.model_name}, dtype {args.dtype}, threads {args.threads}, torch {torch.__version__}")
-    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    load_before = load_average()
+    print(f"model {backend.model_name}, dtype {args.dtype}, threads {args.threads}")
     print("| measurement | tok/s | tok/CPU-s |\n|---|---|---|")
     if args.prefill_tokens:
         wall, cpu = bench_prefill(backend, args.prefill_tokens, args.prefill_repeats, rng)
@@ -115,7 +116,7 @@ def main() -> None:
     for b in batches:
         wall, cpu = bench_decode(backend, b, args.context, args.steps, rng)
         print(f"| decode, batch {b}, context {args.context} | {wall:.1f} | {cpu:.1f} |", flush=True)
-    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(machine_line(load_before))
 
 
 if __name__ == "__main__":

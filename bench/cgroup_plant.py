@@ -1,4 +1,4 @@
-"""The real plant on the CPU (issue #15): the server in a memory cgroup whose limit is the device budget.
+"""The real plant on the CPU: the server in a memory cgroup whose limit is the device budget.
 
 Why: a container's memory limit is a real capacity. The kernel kills a process whose cgroup goes over it,
 as a GPU raises OOM at its capacity. So a server under `fixed` caps that overshoots on a burst of long
@@ -18,22 +18,21 @@ limit, whether the server died and by which signal, and the kernel's OOM-kill co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
+import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.reliability import load_average, machine_line
-from bench.report_io import write_report
-from bench.server_process import free_port, stop
+import httpx
+
+from bench.harness import http
+from bench.harness.machine import load_average, machine_line
+from bench.harness.report import Stamp, write_report
+from bench.harness.server import ServerProcess, free_port, headroom_argv
 from telemetry.probes.cgroup import CgroupMemory
 from telemetry.units import parse_bytes
 
@@ -90,47 +89,23 @@ class PlantCgroup:
         self.mem.path.rmdir()
 
 
-def start_server(policy: str, port: int, cgroup: PlantCgroup) -> subprocess.Popen:
+def server_for(policy: str, cgroup: PlantCgroup, log: Path) -> ServerProcess:
     """The server, joined to the cgroup before it execs, so every byte it allocates is charged there."""
-    procs = cgroup.procs
-    argv = [sys.executable, "-m", "engine.serving.cli", "--device", "cpu", "--dtype", "float32"]
-    argv += ["--policy", policy, "--host", "127.0.0.1", "--port", str(port)]
-    return subprocess.Popen(
-        argv,
+    procs, port = cgroup.procs, free_port()
+    argv = headroom_argv(["--device", "cpu", "--dtype", "float32", "--policy", policy], port)
+    return ServerProcess(
+        argv, log, port, start_timeout=READY_TIMEOUT_S, stop_timeout=60,
         preexec_fn=lambda: procs.write_text(str(os.getpid())),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
 
 
-def get_json(port: int, path: str) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-        return json.loads(r.read())
-
-
-def wait_ready(port: int, server: subprocess.Popen) -> bool:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            get_json(port, "/health")
-            return True
-        except (OSError, ValueError):
-            time.sleep(0.5)
-    return False
-
-
-def complete(port: int, prompt: list[int], max_tokens: int) -> bool:
+def complete(url: str, prompt: list[int], max_tokens: int) -> bool:
     """One completion; True when it came back whole (a dead server or an error answer: False)."""
     body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            return json.loads(r.read())["choices"][0]["finish_reason"] == "length"
-    except (OSError, ValueError, KeyError, urllib.error.HTTPError):
+        r = http.post(url + "/v1/completions", body, timeout=REQUEST_TIMEOUT_S)
+        return r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    except (httpx.HTTPError, ValueError, KeyError):
         return False
 
 
@@ -154,32 +129,33 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 def run(policy: str, limit: int, args: argparse.Namespace) -> Run:
     cgroup = PlantCgroup(f"headroom-plant-{policy}-{os.getpid()}", limit)
     out = Run(policy, limit, cgroup.mem.version)
-    port = free_port()
-    server = start_server(policy, port, cgroup)
+    server = server_for(policy, cgroup, Path(tempfile.gettempdir()) / f"cgroup-plant-{policy}.log")
     rng = random.Random(args.seed)
     try:
-        if not wait_ready(port, server):
-            out.exit_code = server.poll()
+        try:
+            server.start()
+        except RuntimeError:  # killed or never ready inside the limit: the table says how it died
+            out.exit_code = server.proc.poll() if server.proc else None
             return out
         out.ready_used = cgroup.mem.used()
-        out.kv_pool = get_json(port, "/controller/state").get("kv_pool")
+        out.kv_pool = http.get_json(server.url + "/controller/state").get("kv_pool")
         prompts = [(random_prompt(rng, 32), args.decode_tokens) for _ in range(args.decodes)]
         burst = [(random_prompt(rng, args.burst_len), 16) for _ in range(args.burst)]
         out.sent = len(prompts) + len(burst)
         start = time.monotonic()
         with ThreadPoolExecutor(out.sent + 1) as pool:
-            load = [pool.submit(complete, port, p, n) for p, n in prompts]
+            load = [pool.submit(complete, server.url, p, n) for p, n in prompts]
             sampler = pool.submit(sample_used, cgroup, load)  # reads the list as the burst joins it
             time.sleep(args.burst_after)
-            load += [pool.submit(complete, port, p, n) for p, n in burst]
+            load += [pool.submit(complete, server.url, p, n) for p, n in burst]
             results = [f.result() for f in load]
             out.peak_used = sampler.result()
         out.seconds = time.monotonic() - start
         out.done = sum(results)
         out.failed = out.sent - out.done
-        out.exit_code = server.poll()
+        out.exit_code = server.proc.poll() if server.proc else None
     finally:
-        stop(server, timeout=60)
+        server.stop()
         out.peak = cgroup.mem.peak()
         out.oom_kills = cgroup.oom_kills()
         cgroup.remove()
@@ -194,9 +170,9 @@ def death(code: int | None) -> str:
 
 def report(runs: list[Run], args: argparse.Namespace) -> list[str]:
     lines = [
-        "# The real plant: the server in a memory cgroup (issue #15)",
+        "# The real plant: the server in a memory cgroup",
         "",
-        f"`python -m bench.cgroup_plant --limit {args.limit} --out {args.out}`: `python -m engine.serving.cli` "
+        "`python -m engine.serving.cli` "
         f"(CPU, default model, `--dtype float32`) in a fresh v{runs[0].cgroup_version} memory cgroup per run, "
         f"limit {args.limit}; {args.decodes} decodes (32-token prompts, {args.decode_tokens} tokens), then after "
         f"{args.burst_after:g} s a burst of {args.burst} prompts of {args.burst_len} tokens (16 tokens each).",
@@ -231,6 +207,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    stamp = Stamp("python -m bench.cgroup_plant")
     limit = parse_bytes(a.limit)
     try:
         PlantCgroup(f"headroom-plant-check-{os.getpid()}", limit).remove()
@@ -239,7 +216,7 @@ def main() -> None:
         return
     load_before = load_average()
     runs = [run(policy, limit, a) for policy in a.policies]
-    write_report(a.out, [*report(runs, a), "", machine_line(load_before)], [r.__dict__ for r in runs])
+    write_report(a.out, [*report(runs, a), "", machine_line(load_before)], stamp, [r.__dict__ for r in runs])
 
 
 if __name__ == "__main__":

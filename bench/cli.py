@@ -1,15 +1,14 @@
-"""`headroom bench matrix|replay`: benchmark an engine (the twin by default) in virtual time.
+"""`headroom bench matrix|replay|reproduce`: benchmark an engine (the twin by default) in virtual time.
 
 matrix: the seed's 30-point matrix (or --points), closed loop like `vllm bench serve --max-concurrency`.
 replay: a JSONL trace (input_toks, output_toks, arrival_time), open loop at the recorded times.
 Both print a markdown table and write {"points": [...]} (plus the command and engine settings) to --out.
+reproduce: re-run the committed results (bench/reproduce.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +16,8 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
+from bench import reproduce
+from bench.harness.report import Stamp, stamp_data, stamped, write_json
 from bench.loadgen import RunResult, load_trace, run_closed_loop, run_trace
 from bench.report import latency_table, markdown_table, metrics
 from bench.seed_matrix import SEED_MATRIX, num_requests
@@ -61,7 +62,6 @@ def _metrics(engine: LLMEngine, run: RunResult, **labels: object) -> dict[str, o
 
 def _settings(cfg: EngineConfig) -> dict[str, object]:
     settings: dict[str, object] = {
-        "command": "headroom " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "backend": cfg.backend,
         "policy": cfg.policy,
         "num_blocks": cfg.num_blocks,
@@ -70,23 +70,38 @@ def _settings(cfg: EngineConfig) -> dict[str, object]:
     if cfg.backend == "twin":  # cheap to build: resolve the defaults exactly as the runs do
         b = build_backend(cfg)
         settings.update(profile=cfg.profile, model=b.model_name, num_blocks=b.num_blocks, block_size=b.block_size)
+        if cfg.twin_sensors != "ideal":  # only then: ideal runs write the committed results byte for byte
+            settings["twin_sensors"] = cfg.twin_sensors
     if sizes_kv_pool(cfg):
         settings["num_blocks"] = "sized by the controller (each point's kv_pool_peak_blocks)"
     return settings
 
 
-def _write(args: argparse.Namespace, doc: dict[str, object], details: str = "") -> None:
+def write_run(out: str | Path | None, doc: dict[str, object], stamp: Stamp, details: str = "") -> None:
+    """Print a run's table; with `out`, write its JSON there and the table beside it (.md), both stamped."""
     table = markdown_table(doc["points"])  # type: ignore[arg-type]
     if details:
         table += "\n\n" + details
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1) + "\n")
-        md = out.with_suffix(".md")
-        md.write_text(f"`{doc['command']}`\n\nwall time {doc['wall_s']} s\n\n{table}\n")
-        print(f"wrote {out} and {md}", file=sys.stderr)
+    if out:
+        path = Path(out)
+        write_json(path, stamp_data(doc, stamp))
+        md = path.with_suffix(".md")
+        md.write_text("\n".join(stamped([f"wall time {doc['wall_s']} s", "", table], stamp)) + "\n")
+        print(f"wrote {path} and {md}", file=sys.stderr)
+
+
+def replay_doc(cfg: EngineConfig, trace: str | Path, fast: bool = True) -> dict[str, object]:
+    """One open-loop replay of a JSONL trace on a fresh engine: the settings, the wall time and the point."""
+    reqs = load_trace(trace)
+    t = time.perf_counter()
+    doc = _settings(cfg)
+    engine = build_engine(cfg)
+    run = run_trace(engine, reqs, fast=fast)
+    point = _metrics(engine, run, policy=cfg.policy, trace=str(trace), num_prompts=len(reqs))
+    doc["wall_s"] = round(time.perf_counter() - t, 2)
+    doc["points"] = [point]
+    return doc
 
 
 def _matrix(cfg: EngineConfig, args: argparse.Namespace) -> int:
@@ -101,20 +116,13 @@ def _matrix(cfg: EngineConfig, args: argparse.Namespace) -> int:
         results = [run(p) for p in points]
     doc["wall_s"] = round(time.perf_counter() - t, 2)
     doc["points"] = results
-    _write(args, doc)
+    write_run(args.out, doc, Stamp("headroom"))
     return 0
 
 
 def _replay(cfg: EngineConfig, args: argparse.Namespace) -> int:
-    reqs = load_trace(args.trace)
-    t = time.perf_counter()
-    doc = _settings(cfg)
-    engine = build_engine(cfg)
-    run = run_trace(engine, reqs, fast=not args.no_fast_path)
-    point = _metrics(engine, run, policy=cfg.policy, trace=str(args.trace), num_prompts=len(reqs))
-    doc["wall_s"] = round(time.perf_counter() - t, 2)
-    doc["points"] = [point]
-    _write(args, doc, latency_table(point))
+    doc = replay_doc(cfg, args.trace, fast=not args.no_fast_path)
+    write_run(args.out, doc, Stamp("headroom"), latency_table(doc["points"][0]))  # type: ignore[index]
     return 0
 
 
@@ -125,6 +133,7 @@ def _run(p: argparse.ArgumentParser, command: Callable[..., int], args: argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark an engine in virtual time (twin) or wall time")
     sub = bench.add_subparsers(dest="bench_command", required=True)
+    reproduce.register(sub)
     m = sub.add_parser("matrix", help="closed-loop matrix, like vllm bench serve --max-concurrency")
     m.add_argument("--points", type=parse_points, default=None, help='"con,in,out;..." (default: seed matrix)')
     m.add_argument(

@@ -4,7 +4,7 @@ blocks, with throughput, TTFT and end-to-end latency side by side (all twin numb
 Runs `headroom bench matrix` six times into --dir (skip with --no-run to rebuild the report from the
 JSONs already there) and writes the report:
 
-    .venv/bin/python bench/controller_acceptance.py --dir bench/results/matrix \
+    python -m bench.controller_acceptance --dir bench/results/matrix \
         --out bench/results/controller_acceptance.md
 """
 
@@ -14,10 +14,9 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
-from bench.report_io import write_report
+from bench.harness.report import Stamp, write_report
 
 BLOCKS = (64, 80, 96)
 POLICIES = ("adaptive", "seed-static")
@@ -115,6 +114,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-run", action="store_true", help="only rebuild the report from --dir")
     args = ap.parse_args()
+    stamp = Stamp("python -m bench.controller_acceptance")
     args.dir.mkdir(parents=True, exist_ok=True)
     paths = {(p, b): args.dir / f"{p}_{b}.json" for p in POLICIES for b in BLOCKS}
     if not args.no_run:
@@ -126,7 +126,6 @@ def main() -> None:
         "# Adaptive controller on the 4090 twin: acceptance matrix",
         "",
         "Twin numbers, virtual time; adaptive runs its default config (controller/default.toml) at every point.",
-        f"Command: `python bench/controller_acceptance.py {' '.join(sys.argv[1:])}`, which ran:",
         "",
         *[f"- `{cmd}`" for cmd, _ in loaded.values()],
         "",
@@ -136,7 +135,7 @@ def main() -> None:
     ]
     for b in BLOCKS:
         lines += ["", f"## {b} KV blocks", "", *point_table(runs["adaptive", b], runs["seed-static", b])]
-    write_report(args.out, lines)
+    write_report(args.out, lines, stamp)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The controller-sized KV pool on the real CPU engine (issue #15): the default model against an emulated
+"""The controller-sized KV pool on the real CPU engine: the default model against an emulated
 1 GiB device, no --num-blocks.
 
 Why: the twin shows the sizing in a model; this runs the same start-up profiling and online rule on the
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.reliability import load_average, machine_line
-from bench.report_io import write_report
+from bench.harness.machine import load_average, machine_line
+from bench.harness.report import Stamp, write_report
 from engine.cli import engine_config
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ def run(engine: LLMEngine, requests: int, min_prompt: int, max_prompt: int, max_
     start = time.perf_counter()
     while engine.has_unfinished() and engine.healthy:
         blocks = engine.allocator.num_blocks
-        out.finished += sum(s.finish_reason == "length" for s in engine.step() if s.finished)
+        out.finished += sum(o.finish_reason == "length" for o in engine.step())
         if engine.allocator.num_blocks != blocks:
             out.resizes.append((engine.step_id, blocks, engine.allocator.num_blocks))
     out.seconds = time.perf_counter() - start
@@ -95,9 +95,9 @@ def time_resizes(engine: LLMEngine, blocks: int) -> list[tuple[int, int, float]]
 def report(out: Outcome, args: argparse.Namespace) -> list[str]:
     s = out.sizing
     lines = [
-        "# The sized KV pool on the CPU engine (issue #15)",
+        "# The sized KV pool on the CPU engine",
         "",
-        f"`python -m bench.cpu_sized_pool --out {args.out}`: SmolLM2-135M (default model, {out.dtype}), "
+        f"SmolLM2-135M (default model, {out.dtype}), "
         f"`--device-memory {args.device_memory}`, policy adaptive, no `--num-blocks`; every step tracked "
         f"(sample_every 1), so each step that would cross the emulated capacity raises the emulated OOM.",
         f"{out.requests} requests added at once, prompts uniform in [{args.min_prompt}, {args.max_prompt}] tokens "
@@ -143,11 +143,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    stamp = Stamp("python -m bench.cpu_sized_pool")
     load_before = load_average()
     engine = build(a.device_memory, a.dtype)
     out = run(engine, a.requests, a.min_prompt, a.max_prompt, a.max_tokens, a.seed)
     out.resize_cost = time_resizes(engine, a.resize_blocks)
-    write_report(a.out, [*report(out, a), "", machine_line(load_before)], out.__dict__)
+    write_report(a.out, [*report(out, a), "", machine_line(load_before)], stamp, out.__dict__)
 
 
 if __name__ == "__main__":

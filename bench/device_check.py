@@ -1,4 +1,4 @@
-"""The device check (issues #14 and #15): what the torch backend does on a lent GPU, beside what the twin
+"""The device check: what the torch backend does on a lent GPU, beside what the twin
 predicts for the same shapes. `python -m bench.device_check` (bench/device_check.sh runs it after the
 CUDA-marked tests); `--device cpu --tiny` is the smoke mode the default suite runs.
 
@@ -6,7 +6,7 @@ It builds a random-weight Llama of Llama-3.1-8B's shape (the twin profile's [mod
 bf16, with the attention kernel `auto` picks, and measures through the real engine step:
 - TPOT: the median decode-only step at batch 1, 16 and 64 (CUDA graphs, and eager beside them);
 - the allocator peak of one 4096-token prefill step above what was allocated before it;
-- one KV pool resize, grow and shrink (issue #15's device check).
+- one KV pool resize, grow and shrink.
 The twin models an RTX 4090 running the seed engine; the lent GPU is an H200. Both are printed side by side
 and nothing fails on the difference: the point is to see how far the twin's model is from a real card.
 """
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from controller.baselines import FixedPolicy
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.latency import LatencyModel
 from engine.backends.twin.memory import MemoryModel, StepMemory
 from engine.backends.twin.profile import load_profile
+from engine.baselines.seed import FixedPolicy
 from engine.core.kv_cache import ResizePlan
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams

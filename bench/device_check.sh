@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check for a lent GPU (issues #14 and #15), under 10 minutes, no model download:
+# The device check for a lent GPU under 10 minutes, no model download:
 #   1. the CUDA-marked tests (tests marked `cuda`, skipped everywhere else);
 #   2. python -m bench.device_check: a random-weight Llama-3.1-8B-shaped model in bf16, TPOT at batch 1, 16
 #      and 64 (CUDA graphs and eager), the allocator peak of a 4096-token prefill, one KV pool resize (grow

@@ -1,4 +1,4 @@
-"""Another process takes 4 GiB of the twin's card mid-run and gives it back 2 minutes later (issue #15).
+"""Another process takes 4 GiB of the twin's card mid-run and gives it back 2 minutes later.
 
 Why: a hand-set pool either leaves that memory idle or OOMs when someone else needs it; the sized pool must
 shrink before the step that would run out, lose no request, and grow back once the memory is free again.
@@ -18,7 +18,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report_io import write_report
+from bench.harness.report import Stamp, write_report
 from engine.cli import engine_config
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
@@ -81,7 +81,7 @@ def run(
         took = backend.memory.external != wanted and _take(engine, wanted, out)
         out.takes += took
         blocks = engine.allocator.num_blocks
-        done = [s for s in engine.step() if s.finished]
+        done = [o for o in engine.step() if o.finish_reason is not None]
         if engine.allocator.num_blocks != blocks:
             out.resizes.append((now, blocks, engine.allocator.num_blocks))
             out.shrunk_after_take += took and engine.allocator.num_blocks < blocks
@@ -136,14 +136,16 @@ def main() -> None:
     ap.add_argument("--hold", type=float, default=120.0)
     ap.add_argument("--take-gib", type=float, default=4.0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report; the PNG goes beside it")
+    ap.add_argument("--no-plot", action="store_true", help="leave the PNG as it is (needs no matplotlib)")
     a = ap.parse_args()
+    stamp = Stamp("python -m bench.external_memory")
     out = run(a.concurrency, a.input_len, a.output_len, a.duration, a.take_at, a.hold, int(a.take_gib * GIB))
     tl = out.timeline
     during = [p for t, p in zip(tl.t, tl.pool, strict=True) if a.take_at <= t < a.take_at + a.hold]
     lines = [
-        "# External memory on the twin (issue #15)",
+        "# External memory on the twin",
         "",
-        f"`python -m bench.external_memory{' --out ' + str(a.out) if a.out else ''}`: {a.concurrency} closed-loop "
+        f"{a.concurrency} closed-loop "
         f"clients, {a.input_len}-token prompts, {a.output_len} output tokens, sending for {a.duration:.0f} s of "
         f"virtual time; another process asks for {a.take_gib:g} GiB at {a.take_at:.0f} s and lets go at "
         f"{a.take_at + a.hold:.0f} s.",
@@ -164,9 +166,10 @@ def main() -> None:
     ]
     if a.out:
         png = a.out.with_suffix(".png")
-        plot(out, png, a.take_at, a.hold)
+        if not a.no_plot:
+            plot(out, png, a.take_at, a.hold)
         lines += ["", f"![pool, used memory and capacity over time]({png.name})"]
-    write_report(a.out, lines)
+    write_report(a.out, lines, stamp)
 
 
 if __name__ == "__main__":

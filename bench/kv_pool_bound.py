@@ -1,7 +1,7 @@
 """Each matrix point's physical bound on the twin for a KV pool of N blocks, and how close a run came.
 
-Why: #15 asks for 2.5x seed-static over the out=4096 points; this separates what the pool allows from what
-the scheduler makes of it. The bound is a fluid one, for any schedule, with the kernel tables' times:
+Why: a throughput target over the out=4096 points needs to know what the pool allows; this separates that
+from what the scheduler makes of it. The bound is a fluid one, for any schedule, with the kernel tables' times:
 - a request of `in` prompt and `out` output tokens holds ceil((in + o + 1) / block) blocks at its o-th
   decode, so n requests need n x sum_o of that in block-steps; a pool of N blocks runs at most N a step,
   and a client's requests run one after another, so decode steps S >= max(n x blocks / N, out x n / con);
@@ -27,6 +27,7 @@ import json
 import math
 from pathlib import Path
 
+from bench.harness.report import Stamp, write_report
 from bench.seed_matrix import num_requests
 from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.cli import engine_config
@@ -112,11 +113,7 @@ def main() -> None:
     ap.add_argument("--run", type=Path, default=MATRIX / "adaptive_sized.json")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    lines = report(args.run.resolve())
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_report(args.out, report(args.run.resolve()), Stamp("python -m bench.kv_pool_bound"))
 
 
 if __name__ == "__main__":

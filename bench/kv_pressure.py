@@ -1,6 +1,6 @@
 """Where the time goes at a KV-bound point: one twin run, step by step, set against its physical bound.
 
-Why: #15's out=4096 points reach only 0.64-0.78 of the bound for the pool they ran with
+Why: the out=4096 points reach well short of the bound for the pool they ran with
 (bench/results/kv_pool_bound.md). That bound assumes a full pool every step and free recomputes, so the gap
 is made of steps where the pool is not full (the start, the tail), decode steps lost to recompute
 prefills, and thrashing. This script measures each of those at a point:
@@ -21,13 +21,14 @@ import argparse
 from dataclasses import dataclass, field
 
 from bench.cli import parse_points
+from bench.harness.report import Stamp, write_report
 from bench.kv_pool_bound import point_bound
 from bench.loadgen import run_closed_loop
-from bench.report_io import write_report
 from bench.seed_matrix import num_requests
 from engine.cli import add_config_flags, config_from_args
 from engine.config import EngineConfig
-from engine.core.scheduler import ScheduledBatch
+from engine.core.batch import SchedulerOutput
+from engine.core.sequence import Sequence
 from engine.factory import build_engine
 from telemetry.record import StepRecord
 
@@ -46,8 +47,10 @@ class StepLog:
     recompute_seconds: float = 0.0
     prefill_seconds: float = 0.0  # steps with any prefill
     timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (start, seconds, decode batch)
+    requests: dict[str, Sequence] = field(default_factory=dict)  # the engine's unfinished requests
+    known: dict[str, Sequence] = field(default_factory=dict)  # every request seen in a step, finished ones too
 
-    def __call__(self, record: StepRecord, batch: ScheduledBatch) -> None:
+    def __call__(self, record: StepRecord, batch: SchedulerOutput) -> None:
         d, decodes = record.duration, record.shape.decode_seqs
         self.pool = max(self.pool, record.kv_blocks_total)
         self.seconds += d
@@ -59,7 +62,12 @@ class StepLog:
         if record.shape.prefill_tokens:
             self.prefill_seconds += d
         # a preempted sequence's prefill chunks recompute what it had (prompt and output) until it decodes
-        redo = sum(it.num_tokens for it in batch.items if it.is_prefill and it.seq.num_preemptions)
+        seqs = [self.known.setdefault(it.request_id, self.requests.get(it.request_id)) for it in batch.items]
+        redo = sum(
+            it.num_tokens
+            for it, seq in zip(batch.items, seqs, strict=True)
+            if it.is_prefill and seq is not None and seq.num_preemptions
+        )
         if redo > 0:
             self.recompute_steps += 1
             self.recompute_tokens += redo
@@ -79,7 +87,7 @@ def measure(cfg: EngineConfig, point: tuple[int, int, int]) -> dict[str, float]:
     con, inp, out = point
     n = num_requests(point)
     engine = build_engine(cfg)
-    log = StepLog()
+    log = StepLog(requests=engine.requests)
     engine.step_listeners.append(log)
     run = run_closed_loop(engine, con, n, inp, out, fast=False)
     seqs = run.sequences
@@ -131,7 +139,7 @@ def main() -> None:
     if cfg.backend != "twin":
         ap.error("the twin only: the bound is the twin's")
     lines, data = report(cfg, args.points)
-    write_report(args.out, lines, data)
+    write_report(args.out, lines, Stamp("python -m bench.kv_pressure"), data)
 
 
 if __name__ == "__main__":

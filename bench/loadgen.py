@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from controller.policy import StaticPolicy
+from engine.core.batch import SchedulerOutput
 from engine.core.llm_engine import EngineDeadError, LLMEngine, RequestError
+from engine.core.outputs import EngineOutput
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch
 from engine.core.sequence import Sequence, Status
 from telemetry.record import StepRecord
 
@@ -92,7 +93,7 @@ class _Driver:
         self.backend = engine.backend
         self.sent = 0
         self.seqs: list[Sequence] = []
-        self.last: ScheduledBatch | None = None
+        self.last: SchedulerOutput | None = None
         self.added = False  # a request arrived since the last engine step: the schedule may change
         # The backend's class must define decode_step (a wrapper such as the fault injector, which delegates
         # it, must not be bypassed) and the policy must be one whose feedback is a no-op.
@@ -102,14 +103,13 @@ class _Driver:
             and hasattr(type(self.backend), "decode_step")
             and issubclass(pol, StaticPolicy)
             and pol.observe is StaticPolicy.observe
-            and pol.fit_decodes is StaticPolicy.fit_decodes
-            and pol.limits is StaticPolicy.limits
+            and pol.step_budget is StaticPolicy.step_budget
         )
         self.t0 = self.backend.now()
-        self._listener: Callable[[StepRecord, ScheduledBatch], None] = self._capture
+        self._listener: Callable[[StepRecord, SchedulerOutput], None] = self._capture
         engine.step_listeners.append(self._listener)
 
-    def _capture(self, record: StepRecord, batch: ScheduledBatch) -> None:
+    def _capture(self, record: StepRecord, batch: SchedulerOutput) -> None:
         self.last = batch
 
     def close(self) -> None:
@@ -129,9 +129,9 @@ class _Driver:
         self.added = True
         return True
 
-    def step(self, until: float = float("inf")) -> list[Sequence] | None:
-        """One engine step (or a burst of identical decode steps); returns the sequences that finished,
-        or None when the engine had nothing it could schedule."""
+    def step(self, until: float = float("inf")) -> list[EngineOutput] | None:
+        """One engine step (or a burst of identical decode steps); returns the outputs of the requests that
+        finished, or None when the engine had nothing it could schedule."""
         if self.fast and self._decode_burst(until):
             return []
         before = self.engine.step_id
@@ -139,7 +139,7 @@ class _Driver:
         touched = self.engine.step()
         if self.engine.step_id == before:
             return None
-        return [s for s in touched if s.finished]
+        return [o for o in touched if o.finish_reason is not None]
 
     def _decode_burst(self, until: float) -> bool:
         """Advance identical decode-only steps without the scheduler (see the module docstring for why
@@ -147,8 +147,10 @@ class _Driver:
         engine, batch = self.engine, self.last
         if batch is None or self.added or batch.preempted or not engine.healthy or len(engine.step_listeners) != 1:
             return False
-        seqs = [it.seq for it in batch.items]
-        if any(it.is_prefill for it in batch.items) or any(s.status is not Status.RUNNING for s in seqs):
+        if any(it.is_prefill for it in batch.items):
+            return False
+        seqs = [engine.requests.get(it.request_id) for it in batch.items]
+        if any(s is None or s.status is not Status.RUNNING for s in seqs):
             return False
         sched = engine.scheduler
         if any(not s.is_decode for s in sched.running):
@@ -173,7 +175,7 @@ class _Driver:
             for s in seqs:
                 pos = s.num_computed  # the KV slot this step writes (the scheduler's _grow_for_decode)
                 if pos >= len(s.block_table) * bs:
-                    s.block_table.extend(alloc.allocate(1))
+                    alloc.allocate_slots(s, 1)
                 s.num_computed = pos + 1
                 s.output_ids.append(token_at(pos + 1))
                 s.token_times.append(now)

@@ -6,18 +6,17 @@ the scheduler a modern engine would use (mixed prefill/decode steps, decode firs
 The oracle is the best config that finished every request with 0 OOMs -- a per-point choice no single
 static config makes. Closed loop as in `headroom bench matrix`; all numbers are twin numbers.
 
-    .venv/bin/python bench/oracle.py --jobs 2 --out bench/results/oracle.md
+    python -m bench.oracle --jobs 2 --out bench/results/oracle.md
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 
 from bench.cli import run_point
-from bench.report_io import write_report
+from bench.harness.report import Stamp, write_report
 from engine.cli import engine_config
 
 POINTS = [(1, 4096, 1024), (4, 4096, 1024), (16, 256, 1024), (16, 32, 4096), (64, 32, 1024), (64, 256, 256)]
@@ -25,7 +24,7 @@ PREFILL_TOKENS = (512, 1024, 2048, 4096, 8192)
 DECODE_SEQS = (8, 16, 32, 64, 128)
 KV_RATIOS = (1.0, 0.0)
 TARGET = 0.9
-# Every run gets the seed's hand-set pool: without --num-blocks adaptive would size its own (issue #15) and
+# Every run gets the seed's hand-set pool: without --num-blocks adaptive would size its own and
 # hold KV the fixed configs lack, which is bench/results/kv_pool.md's comparison, not this one.
 NUM_BLOCKS = "64"
 
@@ -40,8 +39,8 @@ def fixed_argv(prefill: int, decode: int, ratio: float) -> list[str]:
         "256",
         "--kv-reserve-ratio",
         str(ratio),
-        "--mixed",
-        "--no-prefill-first",
+        "--fixed-steps",
+        "mixed",
     ]
 
 
@@ -57,6 +56,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="markdown report; every run goes beside it as .json")
     args = ap.parse_args()
+    stamp = Stamp("python -m bench.oracle")
     jobs = [(p, "adaptive", []) for p in POINTS] + [
         (p, "fixed", fixed_argv(*cfg)) for p in POINTS for cfg in product(PREFILL_TOKENS, DECODE_SEQS, KV_RATIOS)
     ]
@@ -64,8 +64,6 @@ def main() -> None:
         runs = list(pool.map(one, jobs))
     lines = [
         "# Oracle comparison on the 4090 twin (twin numbers, virtual time)",
-        "",
-        f"Command: `python bench/oracle.py {' '.join(sys.argv[1:])}`",
         "",
         f"Grid per point ({len(jobs) // len(POINTS) - 1} fixed configs): prefill tokens {PREFILL_TOKENS} x decode "
         f"seqs {DECODE_SEQS} x KV reservation ratio {KV_RATIOS}; mixed steps, decode first, chunked prefill, "
@@ -101,7 +99,7 @@ def main() -> None:
         else f"minimum adaptive / oracle {min(fractions):.3f} (target {TARGET}): NOT met at "
         f"{sum(f < TARGET for f in fractions)} of {len(POINTS)} points.",
     ]
-    write_report(args.out, lines, runs)
+    write_report(args.out, lines, stamp, runs)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Prefix caching on a multi-turn chat (issue #14): the real server (default model, CPU) once with the cache
+"""Prefix caching on a multi-turn chat: the real server (default model, CPU) once with the cache
 and once with `--no-enable-prefix-caching`, the same conversations against each.
 
 Each conversation shares one system prompt and resends its whole history every turn plus a new user
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
-import shlex
 import statistics
 import sys
 import tempfile
@@ -26,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_serve import stream_chunks
-from bench.reliability import Server, cpu_model, load_average, vector_flags
-from bench.report_io import write_report
-from engine.model.dtype_choice import read_cpu_facts
+from bench.harness import http
+from bench.harness.machine import load_average, machine_line
+from bench.harness.report import Stamp, write_report
+from bench.harness.server import headroom
 
 SYSTEM_PROMPT = (
     "You are Atlas, the support assistant of Northwind Outfitters, an online shop for hiking and camping gear. "
@@ -87,17 +85,10 @@ async def stream_turn(client: httpx.AsyncClient, messages: list[dict], max_token
     """(TTFT in seconds, the answer, prompt tokens) of one streamed chat completion."""
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    t0, ttft, parts, prompt_tokens = time.perf_counter(), None, [], 0
-    async for chunk in stream_chunks(client, "/v1/chat/completions", body):
-        if chunk.get("usage"):
-            prompt_tokens = chunk["usage"]["prompt_tokens"]
-        for choice in chunk.get("choices", []):
-            if choice["delta"].get("content"):
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                parts.append(choice["delta"]["content"])
-    if ttft is None:
-        raise RuntimeError("the stream sent no content")
-    return ttft, "".join(parts), prompt_tokens
+    a = await http.request(client, "/v1/chat/completions", body)
+    if a.status != 200 or not a.token_times:
+        raise RuntimeError(f"the stream sent no content (status {a.status}, errors {a.errors})")
+    return a.ttft, a.text, a.usage["prompt_tokens"] if a.usage else 0
 
 
 async def conversation(client: httpx.AsyncClient, index: int, turns: int, max_tokens: int) -> list[Turn]:
@@ -116,13 +107,13 @@ def counter(text: str, name: str) -> float:
 
 
 async def drive(url: str, conversations: int, turns: int, max_tokens: int) -> list[Turn]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    async with http.client(url) as client:
         runs = await asyncio.gather(*(conversation(client, i, turns, max_tokens) for i in range(conversations)))
     return [t for run in runs for t in run]
 
 
 def run_setting(setting: Setting, args: argparse.Namespace, workdir: Path) -> None:
-    server = Server(setting.flags, workdir / f"{setting.name}.log", backend="torch")
+    server = headroom(setting.flags, workdir / f"{setting.name}.log", backend="torch")
     setting.command = server.command
     with server:
         setting.load_before, t0 = load_average(), time.monotonic()
@@ -158,15 +149,10 @@ def per_turn_rows(on: Setting, off: Setting, turns: int) -> list[str]:
 def report(on: Setting, off: Setting, args: argparse.Namespace) -> list[str]:
     ratio_mean = statistics.mean(off.ttfts()) / statistics.mean(on.ttfts())
     ratio_p50 = statistics.median(off.ttfts()) / statistics.median(on.ttfts())
-    facts = read_cpu_facts()
-    vector = vector_flags(facts.flags)
     return [
         "# Prefix caching: multi-turn chat TTFT",
         "",
-        f"Command: `{shlex.join(['python', '-m', 'bench.prefix_cache', *sys.argv[1:]])}`",
-        "",
-        f"Machine: {cpu_model()}, {os.cpu_count()} CPUs visible, shared with other work while this ran (load "
-        f"average in the table); CPU flags (vector/matrix): {' '.join(vector)}.",
+        f"{machine_line()} Shared with other work while this ran (load average of each setting in the table).",
         "",
         f"Servers: `{on.command}` and `{off.command}` (default model, CPU, every other flag at its default).",
         "",
@@ -196,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default="bench/results/prefix_cache.md")
     args = p.parse_args(argv)
+    stamp = Stamp("python -m bench.prefix_cache", argv)
     with tempfile.TemporaryDirectory(prefix="prefix-cache-") as tmp:
         on = Setting("prefix caching on (default)", ["--device", "cpu"])
         off = Setting("--no-enable-prefix-caching", ["--device", "cpu", "--no-enable-prefix-caching"])
         for setting in (on, off):
             run_setting(setting, args, Path(tmp))
     data = {s.name: [t.__dict__ for t in s.turns] for s in (on, off)}
-    write_report(args.out, report(on, off, args), data)
+    write_report(args.out, report(on, off, args), stamp, data)
     return 0
 
 

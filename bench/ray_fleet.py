@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
 
-from bench.report_io import write_report
+from bench.harness import http
+from bench.harness.report import Stamp, write_report
+from bench.harness.server import headroom
 from engine.serving.ray_serve.replica import REPLICA_HEADER
 
 READY = re.compile(r"Headroom ready at (http://\S+)")
@@ -64,78 +64,55 @@ def schedule(seed: int, duration: float, chat_rate: float, long_rate: float) -> 
     return sorted(planned, key=lambda p: p.at)
 
 
-async def one(http: httpx.AsyncClient, plan: Planned, index: int) -> Outcome:
+async def one(client: httpx.AsyncClient, plan: Planned, index: int) -> Outcome:
     chars, tokens = (CHAT_CHARS, CHAT_TOKENS) if plan.kind == "chat" else (LONG_CHARS, LONG_TOKENS)
     text = f"{index} " + "x" * chars  # distinct prompts
     body = {"model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
             "stream": True, "ignore_eos": True}  # fmt: skip
     out = Outcome(plan.kind)
-    sent = time.monotonic()
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-            out.status, out.replica = r.status_code, r.headers.get(REPLICA_HEADER.decode())
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.error = event["error"].get("code") or event["error"]["type"]
-                elif event["choices"] and event["choices"][0]["delta"].get("content"):
-                    out.ttft = out.ttft or time.monotonic() - sent
-                    out.tokens += 1
-            if r.status_code != 200:
-                out.error = f"http {r.status_code}"
+        a = await http.request(client, "/v1/chat/completions", body)
     except httpx.HTTPError as e:
         out.error = type(e).__name__
+        return out
+    assert a.response is not None
+    out.status, out.replica = a.status, a.response.headers.get(REPLICA_HEADER.decode())
+    out.tokens = len(a.token_times)
+    out.ttft = a.ttft if a.token_times else None
+    if a.errors:
+        out.error = a.errors[-1].get("code") or a.errors[-1]["type"]
+    elif a.status != 200:
+        out.error = f"http {a.status}"
     return out
 
 
 async def drive(url: str, planned: list[Planned]) -> tuple[list[Outcome], float]:
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    async with http.client(url, connections=1000) as client:
         start = time.monotonic()
 
         async def at(plan: Planned, index: int) -> Outcome:
             await asyncio.sleep(max(0.0, start + plan.at - time.monotonic()))
-            return await one(http, plan, index)
+            return await one(client, plan, index)
 
         outcomes = await asyncio.gather(*(at(p, i) for i, p in enumerate(planned)))
         return list(outcomes), time.monotonic() - start
 
 
 def fleet_ooms(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = httpx.get(url + "/metrics", timeout=30).text  # Prometheus text, not JSON
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("headroom_ooms_total{"))
 
 
 def run_router(router: str, replicas: int, planned: list[Planned]) -> dict:
-    cmd = [sys.executable, "-m", "engine.serving.cli", "--backend", "twin", "--replicas", str(replicas),
-           "--router", router, "--port", "0", "--log-level", "warning"]  # fmt: skip
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not (m := READY.search(_read(log))):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the fleet did not start:\n{_read(log)[-3000:]}")
-                time.sleep(0.5)
-            url = m.group(1)
+    flags = ["--replicas", str(replicas), "--router", router, "--log-level", "warning"]
+    with tempfile.TemporaryDirectory(prefix="ray-fleet-") as tmp:
+        log = Path(tmp) / "fleet.log"
+        with headroom(flags, log, backend="twin", start_timeout=START_TIMEOUT_S, stop_timeout=120) as server:
             time.sleep(5)  # every replica has published its stats and metrics
-            outcomes, makespan = asyncio.run(drive(url, planned))
+            outcomes, makespan = asyncio.run(drive(server.url, planned))
             time.sleep(2)  # the last metrics push
-            ooms = fleet_ooms(url)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            ooms = fleet_ooms(server.url)
     return summarize(router, outcomes, makespan, ooms)
-
-
-def _read(log: object) -> str:
-    log.seek(0)  # type: ignore[attr-defined]
-    return log.read().decode(errors="replace")  # type: ignore[attr-defined]
 
 
 def summarize(router: str, outcomes: list[Outcome], makespan: float, ooms: float) -> dict:
@@ -170,8 +147,6 @@ def report(args: argparse.Namespace, rows: list[dict]) -> list[str]:
         f"{args.long_rate}/s ({LONG_TOKENS} out), all streamed. TTFT in ms at the client. Machine: 2 shared CPU "
         "cores for Ray, the replicas, the ingress and the client.",
         "",
-        "    .venv/bin/python -m bench.ray_fleet " + " ".join(sys.argv[1:]),
-        "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
     ]
@@ -205,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", nargs="+", default=["default", "headroom"], choices=["default", "headroom"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    stamp = Stamp("python -m bench.ray_fleet", argv)
     planned = schedule(args.seed, args.duration, args.chat_rate, args.long_rate)
     rows = [run_router(router, args.replicas, planned) for router in args.routers]
-    write_report(args.out, report(args, rows), rows)
+    write_report(args.out, report(args, rows), stamp, rows)
     return 0
 
 

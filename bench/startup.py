@@ -1,9 +1,9 @@
-"""Start-up time and memory of `headroom serve --model default` (issue #14): time from launch to the first
+"""Start-up time and memory of `headroom serve --model default`: time from launch to the first
 `/health` 200, and the server's RSS, on a cold model cache and then on the warm one it left.
 
     python -m bench.startup [--out bench/results/startup.md] [-- extra serve flags]
 
-Each start runs `python -m engine.cli serve --model default` on 127.0.0.1 and a free port, with
+Each start runs `python -m engine.serving.cli --model default` on 127.0.0.1 and a free port, with
 $HEADROOM_CACHE_DIR pointing at a fresh temporary directory (cold: empty; warm: as the cold start left it).
 RSS is read from /proc/PID/status (VmRSS, split into RssAnon and RssFile) once /health answers and again
 after one short completion, which touches every weight and writes the first KV blocks: the first number
@@ -22,19 +22,17 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.report_io import write_report
-from bench.server_process import free_port, stop
+from bench.harness import http
+from bench.harness.machine import load_average, machine_line
+from bench.harness.report import Stamp, write_report
+from bench.harness.server import headroom
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 START_TIMEOUT_S = 300.0
-POLL_S = 0.05
 TARGET_START_S, TARGET_RSS = 10.0, 1536 * MIB
 PROMPT_TOKENS = 128  # the stages' prefill
 
@@ -49,20 +47,6 @@ def rss(pid: int | str = "self") -> dict[str, int]:
     return fields
 
 
-def get(url: str, body: dict | None = None, timeout: float = 120.0) -> int:
-    """The HTTP status of a GET (or a JSON POST with `body`); 0 when nothing answers yet."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
-
-
 @dataclass
 class Start:
     label: str
@@ -73,31 +57,18 @@ class Start:
 
 
 def start_once(label: str, cache_dir: Path, flags: list[str], log: Path) -> Start:
-    """Launch the server, poll /health every POLL_S until 200, read its RSS, send one completion, read it
-    again, stop it with SIGTERM (killed after 30 s)."""
-    port = free_port()
-    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", "default", "--port", str(port), *flags]
+    """Launch the server, wait for /health 200, read its RSS, send one completion, read it again, stop it."""
     env = {**os.environ, "HEADROOM_CACHE_DIR": str(cache_dir)}
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as fh:
-        t0 = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        while get(url + "/health", timeout=1.0) != 200:
-            if proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
-                raise RuntimeError(f"{label}: no /health 200 (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-            time.sleep(POLL_S)
-        seconds = time.monotonic() - t0
-        at_start = rss(proc.pid)
+    with headroom(["--model", "default", *flags], log, env=env, start_timeout=START_TIMEOUT_S) as server:
+        assert server.proc is not None
+        at_start = rss(server.proc.pid)
         body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-        status = get(url + "/v1/completions", body)
-        if status != 200:
-            raise RuntimeError(f"{label}: completion answered {status}:\n{log.read_text()[-3000:]}")
-        after = rss(proc.pid)
-    finally:
-        stop(proc, timeout=30)
+        r = http.post(server.url + "/v1/completions", body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{label}: completion answered {r.status_code}:\n{server.log_tail()}")
+        after = rss(server.proc.pid)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
-    return Start(label, seconds, at_start, after, tail)
+    return Start(label, server.seconds_to_health, at_start, after, tail)
 
 
 def stages() -> list[tuple[str, int]]:
@@ -134,7 +105,7 @@ def stages() -> list[tuple[str, int]]:
     shapes = [t.shape for pair in kv for t in pair]
     del kv
     eager = [torch.zeros(shape, dtype=dtype) for shape in shapes]  # noqa: F841 - held while RSS is read
-    out.append(("that pool made by torch.zeros instead (as before issue #14)", rss()["VmRSS"]))
+    out.append(("that pool made by torch.zeros instead (written up front)", rss()["VmRSS"]))
     return out
 
 
@@ -146,22 +117,14 @@ def verdict(met: bool) -> str:
     return "**met**" if met else "**MISSED**"
 
 
-def report(
-    command: list[str], starts: list[Start], steps: list[tuple[str, int]], load: tuple[float, float]
-) -> list[str]:
-    from engine.model.dtype_choice import BF16_FLAGS, read_cpu_facts
-
-    cpu = read_cpu_facts()
-    isa = [f for f in ("avx2", "avx512f", *BF16_FLAGS) if f in cpu.flags]
+def report(flags: list[str], starts: list[Start], steps: list[tuple[str, int]], load_before: str) -> list[str]:
     warm = next(s for s in starts if s.label == "warm")
     worst_rss = max(s.rss_after_request["VmRSS"] for s in starts)
     lines = [
         "# Start-up time and RSS of `headroom serve --model default`",
         "",
-        f"Command: `{' '.join(['python -m bench.startup', *command])}`. Server: "
-        f"`{' '.join(['python -m engine.cli serve --model default --port N', *command[1:]])}`.",
-        f"CPU: {cpu.model} x {os.cpu_count()} (flags: {', '.join(isa) or 'none of avx2/avx512f/bf16'}). "
-        f"Load average {load[0]:.2f} before, {load[1]:.2f} after.",
+        f"Server: `{' '.join(['python -m engine.serving.cli --model default --port N', *flags])}`.",
+        machine_line(load_before),
         "",
         "Time from launch to the first `/health` 200; RSS from /proc/PID/status once /health answers, and after",
         "one 8-token completion (every weight touched, the first KV blocks written).",
@@ -214,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", action="store_true", help="print the in-process RSS stages as JSON and exit")
     p.add_argument("flags", nargs="*", help="extra `headroom serve` flags (after --)")
     args = p.parse_args(argv)
+    stamp = Stamp("python -m bench.startup", argv)
     if args.stages:
         print(json.dumps(stages()))
         return 0
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="headroom-startup-") as tmp:
         cache = Path(tmp) / "cache"
         starts = [start_once(label, cache, args.flags, Path(tmp) / f"{label}.log") for label in ("cold", "warm")]
@@ -227,9 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout=START_TIMEOUT_S, check=True,
         )  # fmt: skip
     steps = [tuple(step) for step in json.loads(run.stdout.splitlines()[-1])]
-    command = ["--", *args.flags] if args.flags else []
-    lines = report(command, starts, steps, (load_before, os.getloadavg()[0]))
-    write_report(args.out, lines, {"starts": [asdict(s) for s in starts], "stages": steps})
+    lines = report(args.flags, starts, steps, load_before)
+    write_report(args.out, lines, stamp, {"starts": [asdict(s) for s in starts], "stages": steps})
     return 0
 
 

@@ -9,7 +9,7 @@
   single-stream ratios do and do not say about prompt lengths, and the bound the seed-static rules set;
 - which constants of each profile are fitted, and the fact that fixed each.
 
-    .venv/bin/python bench/twin_fidelity.py --matrix bench/results/twin_seed-static_64.json \
+    python -m bench.twin_fidelity --matrix bench/results/twin_seed-static_64.json \
         --before-commit e78227f --out bench/results/twin_fidelity.md
 """
 
@@ -19,10 +19,9 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
-from bench.report_io import write_report
+from bench.harness.report import Stamp, write_report
 from engine.backends.twin.profile import DEFAULT_PROFILE, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,6 +265,7 @@ def main() -> None:
     ap.add_argument("--before-commit", required=True, help="commit holding the same JSON before the KV rule")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    stamp = Stamp("python -m bench.twin_fidelity")
     doc = json.loads(args.matrix.read_text())
     points = {key(p): p for p in doc["points"]}
     rel_path = args.matrix.resolve().relative_to(ROOT)
@@ -280,8 +280,6 @@ def main() -> None:
     lines = [
         "# Twin fidelity (RTX 4090 + Llama-3.1-8B)",
         "",
-        f"Command: `python bench/twin_fidelity.py {' '.join(sys.argv[1:])}`. Twin run: `{doc['command']}`.",
-        "",
         "## Concurrency 1: the seed's single-stream table beside the twin",
         "",
         "Errors are (twin - seed) / seed. The seed's p99 comes from run-to-run spread the twin does not model "
@@ -293,7 +291,7 @@ def main() -> None:
         "",
         *error_stats(errors),
         "",
-        "Concurrency 4, 16 and 64: the seed's numbers are held out of the repository (issue #16), so no error "
+        "Concurrency 4, 16 and 64: the seed's numbers are held out of the repository, so no error "
         "is computed here. The issue reports that, with the seed's request counts, 17 of the 21 held-out rows "
         "agreed within 15 % and names the 4 misses; the next section is what the twin now does at three of "
         "them.",
@@ -315,6 +313,14 @@ def main() -> None:
         "prefills are 8 + 5 prompts (1839 MiB with the first one's logits) instead of 8 + 8 (2340 MiB, over "
         "the 2006 MiB free).",
         "",
+        *long_prompt_miss(points, rows),
+    ]
+    write_report(args.out, lines, stamp)
+
+
+def long_prompt_miss(points: dict, rows: list) -> list[str]:
+    """The (4, 4096, 256) section and the fitted constants."""
+    return [
         "## The (4, 4096, 256) miss: what the numbers allow",
         "",
         "The issue says the seed ran about twice as fast as the twin here, while (4, 4096, 1024) and (4, 4096, "
@@ -343,7 +349,6 @@ def main() -> None:
         "|---|---|---|---|",
         *[f"| {p} | {c} | {k} | {f} |" for p, c, k, f in CONSTANTS],
     ]
-    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -5,32 +5,32 @@ Writes the seeded trace (vLLM's per-request JSONL) beside the report, runs `head
 per policy, and checks the issue's acceptance for the vllm run: 0 failed, 0 OOMs, under 60 s of wall
 time. All latencies are twin numbers (virtual time):
 
-    .venv/bin/python bench/vllm_replay.py --out bench/results/vllm_replay.md
+    python -m bench.vllm_replay --out bench/results/vllm_replay.md
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
-from bench.report import LATENCIES, PERCENTILES
-from bench.report_io import write_report
+from bench.cli import replay_doc, write_run
+from bench.harness.report import Stamp, write_report
+from bench.report import LATENCIES, PERCENTILES, latency_table
 from bench.synthetic import sharegpt_like_trace, write_trace
-from engine.cli import main as headroom
+from engine.cli import engine_config
 
 PROFILE = "rtx4090-llama3.1-8b-vllm"
 POLICIES = ("vllm", "adaptive")
 WALL_LIMIT_S = 60.0
 
 
-def replay(trace: Path, policy: str, out: Path) -> dict:
-    argv = ["bench", "replay", "--profile", PROFILE, "--policy", policy, "--trace", str(trace), "--out", str(out)]
-    if headroom(argv) != 0:
-        raise RuntimeError(f"headroom {' '.join(argv)} failed")
-    doc = json.loads(out.read_text())
-    return {"command": "headroom " + " ".join(argv), "wall_s": doc["wall_s"], **doc["points"][0]}
+def replay(trace: Path, policy: str, out: Path, stamp: Stamp) -> dict:
+    """`headroom bench replay` on the trace under `policy`, its JSON and table written to `out`."""
+    flags = ["--profile", PROFILE, "--policy", policy]
+    doc = replay_doc(engine_config(["--backend", "twin", *flags]), trace)
+    write_run(out, doc, stamp, latency_table(doc["points"][0]))  # type: ignore[index]
+    command = ["headroom", "bench", "replay", *flags, "--trace", str(trace), "--out", str(out)]
+    return {"command": " ".join(command), "wall_s": doc["wall_s"], **doc["points"][0]}  # type: ignore[index]
 
 
 def table(runs: dict[str, dict]) -> list[str]:
@@ -62,11 +62,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="markdown report; trace and runs go beside it")
     args = ap.parse_args()
+    stamp = Stamp("python -m bench.vllm_replay")
     stem = args.out.with_suffix("")
     trace = stem.parent / "sharegpt_like_300.jsonl"
     records = sharegpt_like_trace()
     write_trace(trace, records)
-    runs = {p: replay(trace, p, Path(f"{stem}_{p}.json")) for p in POLICIES}
+    runs = {p: replay(trace, p, Path(f"{stem}_{p}.json"), stamp) for p in POLICIES}
     v = runs["vllm"]
     holds = v["failed"] == 0 and v["ooms"] == 0 and v["wall_s"] < WALL_LIMIT_S
     ins = [r["input_toks"] for r in records]
@@ -74,8 +75,6 @@ def main() -> None:
     span = records[-1]["arrival_time"] - records[0]["arrival_time"]
     lines = [
         "# A ShareGPT-like trace on the vLLM 0.19 twin: vLLM's rules against the adaptive controller",
-        "",
-        f"Command: `python bench/vllm_replay.py {' '.join(sys.argv[1:])}`, which ran:",
         "",
         *[f"- `{r['command']}`" for r in runs.values()],
         "",
@@ -93,7 +92,7 @@ def main() -> None:
         "",
         *table(runs),
     ]
-    write_report(args.out, lines)
+    write_report(args.out, lines, stamp)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ How each criterion is measured (all on the twin, so all numbers are twin numbers
   work deferred for memory), live bytes at the step's peak above the idle floor over the device budget
   above it (capacity - external - idle - headroom). Target: median at least 85 %.
 
-    .venv/bin/python bench/workload_shift.py --out bench/results/workload_shift.md
+    python -m bench.workload_shift --out bench/results/workload_shift.md
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
+from dataclasses import dataclass
 
-from bench.loadgen import TraceRequest, run_trace
-from bench.report_io import write_report
+from bench.harness.report import Stamp, write_report
+from bench.loadgen import RunResult, TraceRequest, run_trace
 from engine.cli import engine_config
-from engine.core.scheduler import ScheduledBatch
+from engine.core.batch import SchedulerOutput
+from engine.core.llm_engine import LLMEngine
 from engine.factory import build_engine
 from telemetry.record import StepRecord
 
@@ -91,9 +92,9 @@ class Recorder:
         c = self.pol.counters
         return c["chunks"] + c["deferrals"]
 
-    def __call__(self, rec: StepRecord, batch: ScheduledBatch) -> None:
+    def __call__(self, rec: StepRecord, batch: SchedulerOutput) -> None:
         pol, cuts = self.pol, self._cut_count()
-        long_prefill = any(it.is_prefill and it.seq.prompt_len >= 8192 for it in batch.items)
+        long_prefill = any(it.is_prefill and len(it.prompt_ids) >= 8192 for it in batch.items)
         usable, room, idle = self._budget
         m = rec.memory
         self.rows.append(
@@ -188,7 +189,7 @@ def analyse(rows: list[dict], shifts: list[int]) -> dict:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat-seconds", type=float, default=120.0)
@@ -205,7 +206,22 @@ def main() -> None:
     ap.add_argument(
         "--out", default=None, help="markdown report; the summary and the steps around each shift go beside it as .json"
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+@dataclass
+class Shift:
+    """One run of the workload: what the report reads."""
+
+    reqs: list[TraceRequest]
+    engine: LLMEngine
+    run: RunResult
+    rows: list[dict]
+    shifts: list[int]  # the first long prefill's step and the step after the last long request finished
+    res: dict
+
+
+def run_shift(args: argparse.Namespace) -> Shift:
     reqs = workload(args.seed, args.chat_seconds, args.chat_rate, args.burst, args.burst_rate)
     argv = ["--backend", "twin", "--policy", "adaptive"]
     if args.num_blocks:
@@ -219,14 +235,15 @@ def main() -> None:
     long_done = max(s.token_times[-1] for s in run.sequences if s.prompt_len >= 8192)
     after = next(i for i, r in enumerate(rows) if r["time"] >= long_done)
     shifts = [long_steps[0], after]
-    res = analyse(rows, shifts)
+    return Shift(reqs, engine, run, rows, shifts, analyse(rows, shifts))
+
+
+def report(args: argparse.Namespace, sh: Shift) -> list[str]:
+    reqs, engine, run, rows, shifts, res = sh.reqs, sh.engine, sh.run, sh.rows, sh.shifts, sh.res
     ok = [s for s in run.sequences if s.finish_reason in ("length", "stop")]
     exact = all(len(s.output_ids) == s.max_tokens for s in ok)
-    cmd = "python bench/workload_shift.py " + " ".join(sys.argv[1:])
     lines = [
         "# Workload shift on the 4090 twin (twin numbers, virtual time)",
-        "",
-        f"Command: `{cmd}`",
         "",
         f"Workload (seed {args.seed}): chat for {args.chat_seconds:.0f} s at {args.chat_rate}/s (prompts 32-512, "
         f"outputs 16-256 tokens); then {args.burst} prompts of 8192 tokens at {args.burst_rate}/s (outputs "
@@ -266,9 +283,14 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     lines += [f"| {k} | {v['median']:.3f} | {v['p10']:.3f} | {v['max']:.3f} |" for k, v in h.items()] + [""]
+    return lines + criteria(res, run.num_requests == len(ok))
+
+
+def criteria(res: dict, none_failed: bool) -> list[str]:
+    h = res["high_load"]
     checks = [
         ("0 OOMs", res["ooms"] == 0),
-        ("0 failed requests", run.num_requests == len(ok)),
+        ("0 failed requests", none_failed),
         (
             "memory limits settle within 50 steps of each shift",
             all(ph["signals"][s]["settle_steps"] <= SETTLE_TARGET for ph in res["phases"][1:] for s in MEMORY_SIGNALS),
@@ -291,9 +313,15 @@ def main() -> None:
             bool(h) and h["allocated / room"]["median"] >= 0.85,
         ),
     ]
-    lines += ["| criterion | holds |", "|---|---|"] + [f"| {c} | {'yes' if ok_ else 'NO'} |" for c, ok_ in checks]
-    near = [rows[max(0, s - 50) : s + 200] for s in shifts]  # the whole series is ~4 MB: keep the transients
-    write_report(args.out, lines, {"summary": res, "steps_around_shifts": near})
+    return ["| criterion | holds |", "|---|---|"] + [f"| {c} | {'yes' if ok_ else 'NO'} |" for c, ok_ in checks]
+
+
+def main() -> None:
+    args = parse_args()
+    stamp = Stamp("python -m bench.workload_shift")
+    sh = run_shift(args)
+    near = [sh.rows[max(0, s - 50) : s + 200] for s in sh.shifts]  # the whole series is ~4 MB: keep the transients
+    write_report(args.out, report(args, sh), stamp, {"summary": sh.res, "steps_around_shifts": near})
 
 
 if __name__ == "__main__":

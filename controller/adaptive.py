@@ -1,8 +1,9 @@
 """AdaptivePolicy: the memory-feedback controller behind the scheduler's Policy protocol.
 
-Each step: the scheduler asks `limits()` (cached; rebuilt only when a cap or the KV ratio moves) and
-`fit_decodes` / `fit_chunk` while packing (a few multiply-adds against thresholds precomputed once per
-step); the engine then reports the step's record to `observe()`, which feeds
+Each step: the scheduler takes `step_budget()`, the step's limits (rebuilt only when a cap or the KV ratio moves)
+and its pure fit functions (a few multiply-adds against thresholds precomputed once per step,
+controller/admission.py); the engine then reports the step's record and what the fit functions cut
+(controller/step_budget.py) to `observe()`, which feeds
 - the step-peak estimator (sampled records only; OOM steps as a lower bound),
 - the retained-memory estimator (what a step leaves allocated into the next one, e.g. logits an engine
   keeps referenced: it is part of the next step's idle and unknown when that step is packed),
@@ -10,7 +11,8 @@ step); the engine then reports the step's record to `observe()`, which feeds
 - the control law (budget scale and caps) and the KV reservation ratio,
 and precomputes the next step's thresholds (see _refresh for the three checks on a prefill chunk).
 `state()` is GET /controller/state; `update_config()` patches gains atomically at run time.
-`observe_finished()` hands each finished request's output length to the KV reservation.
+`observe_finished()` hands each finished request's output length to the KV reservation. The pool-sizing
+methods are controller/pool_control.py's, the decision log controller/decisions.py's.
 
 Not thread-safe, by design: the engine thread owns the policy, and the server reaches it through the
 engine's command queue (engine/serving/async_engine.py), so no call here needs a lock.
@@ -18,28 +20,28 @@ engine's command queue (engine/serving/async_engine.py), so no call here needs a
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
-from operator import add
 from typing import Any
 
-from controller.admission import INF, decodes_that_fit, is_empty, largest_chunk
+from controller.admission import INF, MemoryFit, decodes_that_fit, thresholds
 from controller.budget import MIB, BudgetTracker
 from controller.config import ControllerConfig
+from controller.decisions import DECISIONS_KEPT, Reason, export, log_decision, new_log
 from controller.estimator import PeakEstimator, predict
 from controller.kv_pool import PoolSizer
 from controller.kv_reservation import KVReservation
 from controller.law import ControlLaw
 from controller.limits import UNLIMITED, Limits
-from telemetry.record import MemorySample, StepRecord, StepShape
+from controller.pool_control import PoolControl
+from controller.step_budget import NO_CUTS, MemoryCuts, StepBudget
+from telemetry.controller_stats import ControllerStats
+from telemetry.record import StepRecord, StepShape
 
-DECISIONS_KEPT = 50
+__all__ = ["DECISIONS_KEPT", "AdaptivePolicy"]
 RETAINED_FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "sampled_seqs")
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(PoolControl):
     name = "adaptive"
-    recovers_oom = True
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
         self.cfg = config or ControllerConfig()
@@ -64,23 +66,17 @@ class AdaptivePolicy:
             "kv_pool_resizes": 0,
             "kv_pool_preemptions": 0,
         }
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self.decisions = new_log()
         self._raw = self.estimator.raw  # live list, updated in place by the estimator
         self._t_prefill = INF
         self._t_decode = INF
         # "leave room for the successor": this step's peak plus what it retains into the next step must
         # fit the budget without the current step's predecessor (see _refresh)
-        self._raw_pair = [0.0] * len(self._raw)
         self._t_pair = INF
-        self._raw_worst = [0.0] * len(self._raw)
         self._t_worst = INF
-        self._versions = (-1, -1)  # estimator versions _raw_pair / _raw_worst were summed from
         self._last_retries: int | None = None
         self._step = 0
-        # what admission did on the step being packed; consumed by observe()
-        self._cut = False
-        self._step_chunks = 0
-        self._step_defers = 0
+        self._budget: StepBudget | None = None  # the next step's, made when first asked for
         self._limits_key: tuple | None = None
         self._limits = Limits()
         self._last_pred = 0.0
@@ -109,60 +105,29 @@ class AdaptivePolicy:
     def limits(self) -> Limits:
         return self._limits
 
-    def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
-        c = self._largest_chunk(shape, context, chunk)
-        if c >= chunk:
-            return chunk
-        if is_empty(shape):
-            c = max(c, min(chunk, self.cfg.min_chunk))  # liveness: an empty step always makes progress
-        if c < self.cfg.min_chunk and c < chunk:
-            c = 0
-        self._cut = True
-        if c:
-            self._step_chunks += 1
-            self.counters["chunks"] += 1
-        else:
-            self._step_defers += 1
-            self.counters["deferrals"] += 1
-        return c
+    def step_budget(self) -> StepBudget:
+        """The next step's limits and memory checks, frozen: the fit functions read a snapshot of the
+        coefficients and thresholds, so they change nothing and nothing after this call changes them."""
+        if self._budget is None:
+            fit = self._memory_fit()
+            self._budget = StepBudget(self._limits, fit.fit_chunk, fit.fit_decodes, self.cfg.min_chunk)
+        return self._budget
 
-    def fit_decodes(self, shape: StepShape, contexts: list[int]) -> int:
-        limit = self._t_decode if shape.prefill_tokens == 0 else self._t_prefill
-        n = decodes_that_fit(self._raw, shape, contexts, limit)
-        if n == len(contexts):
-            return n
-        if n == 0 and is_empty(shape):
-            return 1  # liveness
-        self._cut = True
-        self._step_defers += len(contexts) - n
-        self.counters["deferrals"] += len(contexts) - n
-        return n
-
-    def _largest_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
-        """The three checks of _refresh, without counting anything."""
-        c = largest_chunk(self._raw, shape, context, chunk, self._t_prefill)
-        if c:
-            versions = (self.estimator.version, self.retained.version)
-            if versions != self._versions:
-                self._sum_coefficients(versions)
-            c = largest_chunk(self._raw_pair, shape, context, c, self._t_pair)
-        if c:
-            c = largest_chunk(self._raw_worst, shape, context, c, self._t_worst)
-        return c
-
-    def _sum_coefficients(self, versions: tuple[int, int]) -> None:
-        """Rebuild the pair and worst-case coefficient vectors (peak + retained, peak + 2 x retained) after
-        either estimator learnt. Only prefill chunk checks read them, so this runs on the first such check
-        rather than in every learning step's _refresh: decode-only steps never pay for it."""
-        self._versions = versions
-        raw, rr = self._raw, self.retained.raw
-        self._raw_pair = list(map(add, raw, rr))
-        self._raw_worst = list(map(add, raw, map(add, rr, rr)))  # r + r == 2.0 * r, exactly
+    def _memory_fit(self) -> MemoryFit:
+        return MemoryFit(
+            tuple(self._raw),
+            tuple(self.retained.raw),
+            self._t_prefill,
+            self._t_decode,
+            self._t_pair,
+            self._t_worst,
+            self.cfg.min_chunk,
+        )
 
     def effective_prefill_tokens(self) -> int:
         """The prefill limit that binds now: the prompt tokens the next step could take when it carries
         nothing else (fresh prompts), the smaller of the cap and what memory admits."""
-        return self._largest_chunk(StepShape(), 0, self.law.prefill_cap)
+        return self._memory_fit().largest_chunk(StepShape(), 0, self.law.prefill_cap)
 
     def memory_decode_seqs(self, context: int) -> int:
         """Decodes of `context` tokens that memory alone admits into an empty step (up to the
@@ -205,87 +170,15 @@ class AdaptivePolicy:
         self._log("reject", reason)
         return reason
 
-    def observe(self, record: StepRecord) -> None:
-        self._observe(record)
-
-    # --- KV pool sizing (controller/kv_pool.py) -------------------------------------------------------
-    def size_kv_pool(self, num_blocks: int, block_bytes: int, profile: list[MemorySample]) -> int:
-        """Take over the pool: `profile` is what the start-up profiling steps measured with `num_blocks`
-        blocks of `block_bytes`. Returns the pool size to start with."""
-        for m in profile:
-            self.budget.observe(m)
-        idle = self.budget.idle_floor or 0
-        reserve = max(max(m.peak_allocated, m.reserved) - idle for m in profile)
-        self.pool.start(num_blocks, block_bytes, reserve)
-        self._pool_reason = "start-up sizing"
-        room = self._pool_room(profile[-1])
-        target = max(1, num_blocks + self.pool.blocks_for_room(room))
-        b = self.budget
-        external = b.external_at(profile[-1])
-        self.pool.sizing = {
-            "profiled_tokens": self.cfg.pool_reserve_tokens,
-            "profile_steps": len(profile),
-            "capacity": b.capacity,
-            "external": external,
-            "idle_without_pool": idle - num_blocks * block_bytes,
-            "headroom": b.headroom(),
-            "reserve": reserve,
-            "block_bytes": block_bytes,
-            "num_blocks": target,
-        }
-        self._log(
-            "kv_pool_size",
-            f"start-up: {target} blocks of {block_bytes / MIB:.1f} MiB beside a "
-            f"{reserve / MIB:.0f} MiB reserve (profiled {self.cfg.pool_reserve_tokens}-token prefill), "
-            f"{b.headroom() / MIB:.0f} MiB headroom, {external / MIB:.0f} MiB outside",
-        )
-        return target
-
-    def kv_pool_target(self, memory: MemorySample) -> int | None:
-        """Before a step is packed: the pool size to move to now (None: keep it). `memory` is the probe's
-        latest sample, so memory another process took since the last step counts."""
-        if not self.pool.enabled:
-            return None
-        decision = self.pool.decide(self._step, self._pool_room(memory))
-        if decision is None:
-            return None
-        self._pool_reason = decision[1]
-        return decision[0]
-
-    def kv_pool_preempt_target(self) -> int | None:
-        """After kv_pool_target asked for a shrink: the size the pool must reach even by preempting."""
-        return self.pool.preempt_target if self.pool.enabled else None
-
-    def observe_pool(self, old: int, new: int, error: str | None = None, preempted: int = 0) -> None:
-        """The engine resized the pool from `old` to `new` blocks (error: it could not), having preempted
-        `preempted` running sequences first (the last resort: the target was below the blocks in use)."""
-        pool = self.pool
-        if preempted:
-            self.counters["kv_pool_preemptions"] += preempted
-            self._log(
-                "kv_pool_preempt",
-                f"{preempted} newest running sequences preempted by recompute: the pool "
-                f"({old} blocks) must shrink below the blocks in use ({self._pool_reason})",
-            )
-            if why := pool.note_demand(self._step, preempted, False, 0):
-                self._log("kv_pool_demand", why)
-        pool.resized(self._step, new, error is None)
-        if error is not None:
-            self._log("kv_pool_failed", f"resize {old} -> ? blocks failed: {error}")
-            return
-        if new == old:
-            return
-        self.budget.shift_idle((new - old) * pool.block_bytes)
-        self.counters["kv_pool_resizes"] += 1
-        self._log("kv_pool_grow" if new > old else "kv_pool_shrink", f"{old} -> {new} blocks: {self._pool_reason}")
-        self._refresh_key = None
+    def observe(self, record: StepRecord, cuts: MemoryCuts = NO_CUTS) -> None:
+        """After every step (OOM steps included): what the step used, and what memory cut while packing it."""
+        self._step = record.step_id
+        self.counters["steps"] += 1
+        peak, usable_now, retry = self._learn(record)
+        self._feedback(record, cuts, peak, usable_now, retry)
         self._refresh()
-
-    def _pool_room(self, m: MemorySample) -> int:
-        b = self.budget
-        if b.idle_floor is None:
-            return 0
-        return int(b.capacity - self.budget.external_at(m) - b.idle_floor - b.headroom() - self.pool.reserve)
+        self._refresh_limits()
+        self._budget = None
 
     def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
         """A request finished; its output length teaches the KV reservation (aborts and errors do not)."""
@@ -320,9 +213,26 @@ class AdaptivePolicy:
             "kv_reservation": self.kv.state(),
             "kv_pool": self.pool.state(),
             "counters": dict(self.counters),
-            "decisions": [{**d, "reason": d["reason"]()} if callable(d["reason"]) else d for d in self.decisions],
+            "decisions": export(self.decisions),
             "config": self.cfg.as_dict(),
         }
+
+    def stats(self) -> ControllerStats:
+        c, pool = self.counters, self.pool
+        return ControllerStats(
+            backoffs=c["backoffs"],
+            deferrals=c["deferrals"],
+            chunks=c["chunks"],
+            ooms_recovered=c["ooms_recovered"],
+            rejected_too_long=c["rejected_too_long"],
+            kv_pool_resizes=c["kv_pool_resizes"],
+            budget_bytes=int(self.law.scale * self.budget.budget.usable),
+            predicted_peak_bytes=int(self._last_pred * MIB),
+            margin_bytes=int(self.estimator.margin_floor * MIB),
+            emergency=self.law.emergency,
+            kv_pool_bytes=pool.num_blocks * pool.block_bytes if pool.enabled else None,
+            effective_prefill_tokens=self.effective_prefill_tokens(),
+        )
 
     def update_config(self, patch: dict[str, Any]) -> None:
         """Validate and apply gains at run time, all or nothing (ValueError names the bad gain)."""
@@ -335,78 +245,76 @@ class AdaptivePolicy:
         self.kv.configure(new)
         self.pool.configure(new)
         self._limits_key = None
-        self._refresh_key = None
-        self._refresh()
+        self._thresholds_moved()
         self._refresh_limits()
         self._log("config", "gains updated: " + ", ".join(f"{k}={v}" for k, v in sorted(patch.items())))
 
     # --- internals ------------------------------------------------------------------------------------
-    def _observe(self, rec: StepRecord) -> None:
-        step = self._step = rec.step_id
-        counters = self.counters
-        counters["steps"] += 1
+    def _learn(self, rec: StepRecord) -> tuple[float | None, float | None, bool]:
+        """Feed the estimators and the budget from a sampled record; returns the step's peak and the usable
+        memory it had (MiB; None when not sampled) and whether the allocator had to retry."""
         m, shape, oom = rec.memory, rec.shape, rec.oom
         budget, est = self.budget, self.estimator
         retained_now = budget.observe(m)
-        peak: float | None = None
-        usable_now: float | None = None
-        retry = False
-        if retained_now is not None:
-            # what the previous step left allocated into this one
-            prev = self._prev
-            if prev is not None and prev[0] == step - 1 and not prev[2]:
-                self.retained.update(prev[1], retained_now / MIB)
-            self._prev = (step, shape, oom)
-            if oom:  # the failed step's tensors are gone; what was retained before it stays
-                self._retained_next = retained_now / MIB
-            else:
-                r = self.retained
-                self._retained_next = r.bound(r.predict(shape), shape.prefill_tokens > 0)
-            peak = self._last_peak = m.step_peak / MIB
-            free_now = budget.free_now(m)
-            usable_now = free_now - budget.headroom() / MIB
-            resets = est.resets
-            if oom:
-                # The step died at the limit: its true peak is at least what was free for it.
-                est.update(shape, max(peak, free_now), censored=True)
-            elif shape.prefill_tokens or shape.decode_seqs:
-                est.update(shape, peak)
-            self._last_pred = est.last_prediction
-            if est.resets != resets:
-                counters["estimator_resets"] += 1
-                self._log(
-                    "estimator_reset", "OOM" if oom else f"plant change: relative residual {est.last_residual:+.2f}"
-                )
-            if self._last_retries is not None and m.alloc_retries > self._last_retries:
-                retry = True
-            self._last_retries = m.alloc_retries
-            budget.next_budget(self._retained_next * MIB)
+        if retained_now is None:
+            return None, None, False
+        # what the previous step left allocated into this one
+        prev = self._prev
+        if prev is not None and prev[0] == rec.step_id - 1 and not prev[2]:
+            self.retained.update(prev[1], retained_now / MIB)
+        self._prev = (rec.step_id, shape, oom)
+        if oom:  # the failed step's tensors are gone; what was retained before it stays
+            self._retained_next = retained_now / MIB
+        else:
+            r = self.retained
+            self._retained_next = r.bound(r.predict(shape), shape.prefill_tokens > 0)
+        peak = self._last_peak = m.step_peak / MIB
+        free_now = budget.free_now(m)
+        usable_now = free_now - budget.headroom() / MIB
+        resets = est.resets
         if oom:
+            # The step died at the limit: its true peak is at least what was free for it.
+            est.update(shape, max(peak, free_now), censored=True)
+        elif shape.prefill_tokens or shape.decode_seqs:
+            est.update(shape, peak)
+        self._last_pred = est.last_prediction
+        if est.resets != resets:
+            self.counters["estimator_resets"] += 1
+            self._log("estimator_reset", "OOM" if oom else f"plant change: relative residual {est.last_residual:+.2f}")
+        retry = self._last_retries is not None and m.alloc_retries > self._last_retries
+        self._last_retries = m.alloc_retries
+        budget.next_budget(self._retained_next * MIB)
+        return peak, usable_now, retry
+
+    def _feedback(
+        self, rec: StepRecord, cuts: MemoryCuts, peak: float | None, usable_now: float | None, retry: bool
+    ) -> None:
+        """The control law, the KV reservation, the pool's demand and the counters, from one step."""
+        counters, shape, law = self.counters, rec.shape, self.law
+        if rec.oom:
             counters["ooms_recovered"] += 1
-        law = self.law
-        events = law.observe(step, peak, usable_now, oom, retry, shape.prefill_tokens, shape.decode_seqs, self._cut)
+        events = law.observe(
+            rec.step_id, peak, usable_now, rec.oom, retry, shape.prefill_tokens, shape.decode_seqs, cuts.cut
+        )
         if events:
             for e in events:
                 self._log(e.action, e.reason)
             counters["backoffs"] = law.backoffs
         if rec.preempted:
             counters["preemptions"] += rec.preempted
-        why = self.kv.observe(rec.preempted, shape.decode_seqs)
-        if why:
+        if why := self.kv.observe(rec.preempted, shape.decode_seqs):
             self._log("kv_ratio", why)
+        packed = bool(cuts.chunks or cuts.deferred)
         if self.pool.enabled:
-            why = self.pool.note_demand(
-                step,
-                rec.preempted,
-                bool(self._step_chunks or self._step_defers),
-                rec.kv_blocks_free - rec.kv_blocks_owed,
-            )
-            if why:
+            spare = rec.kv_blocks_free - rec.kv_blocks_owed
+            if why := self.pool.note_demand(rec.step_id, rec.preempted, packed, spare):
                 self._log("kv_pool_demand", why)
-        if self._step_chunks or self._step_defers:
+        if packed:
+            counters["chunks"] += cuts.chunks
+            counters["deferrals"] += cuts.deferred
             chunks, defers, pred, threshold, scale = (
-                self._step_chunks,
-                self._step_defers,
+                cuts.chunks,
+                cuts.deferred,
                 self._last_pred,
                 self._t_prefill,
                 law.scale,
@@ -421,48 +329,24 @@ class AdaptivePolicy:
                 ),
                 quiet=True,
             )
-            self._step_chunks = self._step_defers = 0
-        self._cut = False
+
+    def _thresholds_moved(self) -> None:
+        """The budget changed outside a step (a pool resize, new gains): recompute the thresholds now."""
+        self._refresh_key = None
         self._refresh()
-        self._refresh_limits()
+        self._budget = None
 
     def _refresh(self) -> None:
-        """Precompute next step's thresholds and limits.
-
-        Three checks bound a prefill chunk:
-        - T_prefill: the step's own peak fits beside what the last step retained (setpoint headroom kept);
-        - T_pair: the step's peak plus what it will retain fits as if nothing were retained. This keeps
-          chunk sizes even: without it a big chunk (which retains a lot) forces a small one, then a big
-          one again, and in a caching allocator the small step's tensors land in the big step's cached
-          segment and pin it;
-        - T_worst: even so, a caching allocator can hold three segments of the step's biggest tensor at
-          its peak (the one being allocated, the previous step's still referenced, and a cached one that a
-          small live tensor pins), so peak + 2 x retained must fit the device with the headroom floor.
-        """
-        b = self.budget.budget
-        est = self.estimator
-        ret = self.retained
+        """Precompute the next step's thresholds (controller/admission.py: thresholds)."""
+        b, est, ret = self.budget.budget, self.estimator, self.retained
         # The thresholds depend on the budget, the scale and the margins, not on the coefficients: a
         # learning step whose margins did not move keeps them.
         key = (b, self.law.scale, est.windows[True].value, est.windows[False].value, ret.windows[True].value)
         if key == self._refresh_key:
             return
         self._refresh_key = key
-        if b.known:
-            scale = self.law.scale
-            floor = est.margin_floor
-            usable = scale * b.usable_mib
-            qp = est.relative_margin(True)
-            self._t_prefill = usable / (1.0 + qp) - floor
-            self._t_decode = usable / (1.0 + est.relative_margin(False)) - floor
-            retained = b.retained / MIB
-            q = self.retained.relative_margin(True)
-            q = 1.0 + (q if q > qp else qp)
-            self._t_pair = (usable + scale * retained) / q - 2.0 * floor
-            worst = b.free_mib + retained - self.budget.headroom_min / MIB
-            self._t_worst = scale * worst / q - 3.0 * floor
-        else:
-            self._t_prefill = self._t_decode = self._t_pair = self._t_worst = INF
+        t = thresholds(b, self.budget.headroom_min, self.law.scale, est, ret)
+        self._t_prefill, self._t_decode, self._t_pair, self._t_worst = t
 
     def _refresh_limits(self) -> None:
         law, c = self.law, self.cfg
@@ -477,8 +361,6 @@ class AdaptivePolicy:
                 max_batched_tokens=UNLIMITED,
                 kv_reserve_ratio=key[2],
                 preempt_by_swap=c.kv_preempt_swap,
-                allow_mixed=True,
-                prefill_first=False,
                 chunked_prefill=True,
             )
             self._log(
@@ -488,9 +370,5 @@ class AdaptivePolicy:
                 quiet=True,
             )
 
-    def _log(self, action: str, reason: str | Callable[[], str], quiet: bool = False) -> None:
-        """`reason` may be a function that formats it, called when state() reads the log."""
-        if quiet and self.decisions and self.decisions[-1]["action"] == action:
-            self.decisions[-1] = {"step": self._step, "action": action, "reason": reason}
-            return
-        self.decisions.append({"step": self._step, "action": action, "reason": reason})
+    def _log(self, action: str, reason: Reason, quiet: bool = False) -> None:
+        log_decision(self.decisions, self._step, action, reason, quiet)

@@ -15,8 +15,8 @@ sampled_seqs), each feature scaled to O(1) so one prior variance suits all. Why 
   hide the errors of the rare big prefills). A fresh large residual raises the margin at once;
 - event-triggered learning: a step the model already predicts within 5 % skips the RLS update (at
   most 7 in a row), since steady serving repeats the same shapes and the update is most of the cost.
-Pure Python on purpose: a 7x7 RLS update measured ~25 us on the 2-core build machine, the same as numpy,
-whose per-call overhead dominates on such small matrices. `active` learns a subset of the features
+Pure Python on purpose: on matrices this small numpy's per-call overhead costs as much as the arithmetic
+(bench/results/controller_decision.md times a step). `active` learns a subset of the features
 (RLS cost is quadratic in their number).
 """
 

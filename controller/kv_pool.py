@@ -1,4 +1,4 @@
-"""The KV pool size: the last static cap, set by the controller from the memory it measures (issue #15).
+"""The KV pool size: the last static cap, set by the controller from the memory it measures .
 
 Once every step's peak is bounded by the budget, memory that a hand-set pool keeps free for unbounded
 prefills can hold KV instead. The pool is sized so that, beside it, the device keeps

@@ -75,17 +75,7 @@ class ControlLaw:
         self.step = step
         events: list[LawEvent] | None = None
         if oom:
-            self._backoff(cfg.oom_backoff, prefill_tokens, decode_seqs, hard=True)
-            self.emergency_until = step + cfg.emergency_steps
-            self.oom_backoffs += 1
-            return [
-                LawEvent(
-                    "oom_backoff",
-                    f"OOM on a step of {prefill_tokens} prefill tokens and "
-                    f"{decode_seqs} decodes: scale -> {self.scale:.3f}, prefill cap -> "
-                    f"{self.prefill_cap}, decode cap -> {self.decode_cap}",
-                )
-            ]
+            return [self._oom(prefill_tokens, decode_seqs)]
         near = peak_mib is not None and usable_mib is not None and peak_mib > cfg.backoff_threshold * usable_mib
         retry = alloc_retry and cfg.retry_backoff < 1.0
         if near or retry:
@@ -119,6 +109,17 @@ class ControlLaw:
         if peak_mib is not None or not self.slow_start:
             self._grow_caps(prefill_tokens, decode_seqs)
         return events
+
+    def _oom(self, prefill_tokens: int, decode_seqs: int) -> LawEvent:
+        """A hard backoff, and no growth for emergency_steps."""
+        self._backoff(self.cfg.oom_backoff, prefill_tokens, decode_seqs, hard=True)
+        self.emergency_until = self.step + self.cfg.emergency_steps
+        self.oom_backoffs += 1
+        return LawEvent(
+            "oom_backoff",
+            f"OOM on a step of {prefill_tokens} prefill tokens and {decode_seqs} decodes: scale -> "
+            f"{self.scale:.3f}, prefill cap -> {self.prefill_cap}, decode cap -> {self.decode_cap}",
+        )
 
     def _grow_caps(self, prefill_tokens: int, decode_seqs: int) -> None:
         cfg = self.cfg

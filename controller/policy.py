@@ -1,31 +1,27 @@
-"""The interface between the scheduler (engine) and whatever decides its limits."""
+"""The interface between the scheduler (engine) and whatever decides its limits: before each step the policy
+publishes a StepBudget (its limits and pure fit functions, controller/step_budget.py); after it, observe() reads
+the step's record and what the fit functions cut."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 from controller.limits import Limits
-from telemetry.record import MemorySample, StepRecord, StepShape
+from controller.step_budget import NO_CUTS, MemoryCuts, StepBudget
+from telemetry.controller_stats import ControllerStats
+from telemetry.record import MemorySample, StepRecord
 
 
 class Policy(Protocol):
     name: str
-    # True: an OOM in a step is recovered (work requeued, engine healthy). False: the baseline
-    # behaviour of the seed engine, whose worker dies and fails the step's requests.
-    recovers_oom: bool
 
     def limits(self) -> Limits:
-        """Limits for the next step; called once at the start of every schedule."""
+        """The limits of the next step (the budget's); the step's record carries them."""
         ...
 
-    def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
-        """Largest prefill chunk (<= chunk) that fits beside the step already packed in `shape`, for a
-        sequence with `context` tokens already in KV. 0 defers it to a later step."""
-        ...
-
-    def fit_decodes(self, shape: StepShape, contexts: list[int]) -> int:
-        """How many of these decode candidates (their contexts, in the scheduler's order) fit beside
-        `shape`. One call per step: a call per sequence would cost more than the rest of the decision."""
+    def step_budget(self) -> StepBudget:
+        """The next step's budget; called once at the start of every schedule. Its fit functions change
+        nothing, so the scheduler may call them as often as it packs."""
         ...
 
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
@@ -37,8 +33,9 @@ class Policy(Protocol):
         "error"): real output lengths can teach the KV reservation."""
         ...
 
-    def observe(self, record: StepRecord) -> None:
-        """Feed back what the step really used; called after every step, OOM steps included."""
+    def observe(self, record: StepRecord, cuts: MemoryCuts = NO_CUTS) -> None:
+        """Feed back what the step really used and what memory cut while it was packed (the scheduler's
+        output carries the cuts); called after every step, OOM steps included."""
         ...
 
     def kv_pool_target(self, memory: MemorySample) -> int | None:
@@ -60,6 +57,10 @@ class Policy(Protocol):
         """JSON-able view for GET /controller/state: at least `policy` and `limits`."""
         ...
 
+    def stats(self) -> ControllerStats:
+        """The counts and gauges metrics export (telemetry/controller_stats.py)."""
+        ...
+
     def update_config(self, patch: dict) -> None:
         """Apply runtime config changes atomically; ValueError (and no change) on bad values."""
         ...
@@ -69,24 +70,21 @@ class StaticPolicy:
     """Base for policies whose limits never move: everything fits that the limits allow."""
 
     name = "static"
-    recovers_oom = False
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
+        self._budget = StepBudget(limits)
 
     def limits(self) -> Limits:
         return self._limits
 
-    def fit_chunk(self, shape: StepShape, context: int, chunk: int) -> int:
-        return chunk
-
-    def fit_decodes(self, shape: StepShape, contexts: list[int]) -> int:
-        return len(contexts)
+    def step_budget(self) -> StepBudget:
+        return self._budget
 
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
         return None
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord, cuts: MemoryCuts = NO_CUTS) -> None:
         return None
 
     def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
@@ -103,6 +101,9 @@ class StaticPolicy:
 
     def state(self) -> dict:
         return {"policy": self.name, "limits": self._limits.as_dict()}
+
+    def stats(self) -> ControllerStats:
+        return ControllerStats()
 
     def update_config(self, patch: dict) -> None:
         raise ValueError(f"policy {self.name!r} has no runtime config; start with --policy adaptive")

@@ -21,6 +21,8 @@ ROUTERS = ("headroom", "default")
 BACKENDS = ("torch", "twin")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTIONS = ("auto", "cpu", "sdpa", "flash")
+TWIN_SENSORS = ("ideal", "realistic")
+FIXED_STEPS = ("seed", "mixed")
 
 
 class ConfigError(ValueError):
@@ -60,7 +62,7 @@ class _Config:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
 
     def _check_positive(self, *names: str) -> None:
@@ -106,6 +108,10 @@ class EngineConfig(_Config):
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (vLLM's flag)")
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
+    twin_sensors: str = _opt(
+        "ideal", "twin: ideal (exact bytes every step) or realistic (NVML device-wide and read every 0.1 s, "
+        "CUDA graph pools and cuBLAS workspaces taken lazily; engine/backends/twin/sensors.py)", TWIN_SENSORS,
+    )  # fmt: skip
     policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")
     controller_config: str | None = _opt(None, "adaptive: controller config TOML", group="policy", flag="--config")
     # The `fixed` policy's caps (controller/limits.py says where each is enforced); None: uncapped.
@@ -115,11 +121,13 @@ class EngineConfig(_Config):
     max_prefill_tokens: int | None = _opt(None, "fixed: prompt tokens per step", group="policy")
     max_num_batched_tokens: int | None = _opt(None, "fixed: tokens per step, decodes included", group="policy")
     kv_reserve_ratio: float | None = _opt(None, "fixed: share of max_tokens held in KV on admission", group="policy")
-    mixed: bool | None = _opt(None, "fixed: prefill and decode may share a step", group="policy")
-    prefill_first: bool | None = _opt(None, "fixed: a step with waiting prompts is prefill-only", group="policy")
+    fixed_steps: str | None = _opt(
+        None, "fixed: how a step is packed: seed (prefill-only while prompts wait, as the seed engine) or mixed "
+        "(decodes first, prompt chunks fill the rest, as vLLM v1)", FIXED_STEPS, "policy",
+    )  # fmt: skip
 
     FIXED_CAPS = ("max_num_seqs", "max_prefill_seqs", "max_decode_seqs", "max_prefill_tokens",
-                  "max_num_batched_tokens", "kv_reserve_ratio", "mixed", "prefill_first")  # fmt: skip
+                  "max_num_batched_tokens", "kv_reserve_ratio", "fixed_steps")  # fmt: skip
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -133,6 +141,8 @@ class EngineConfig(_Config):
                 parse_bytes(self.device_memory)
             except ValueError as e:
                 raise ConfigError(f"device_memory: {e}") from e
+        if self.twin_sensors != "ideal" and self.backend != "twin":
+            raise ConfigError(f"twin_sensors {self.twin_sensors!r}: only the twin backend models its sensors")
         caps = [name for name in self.FIXED_CAPS if getattr(self, name) is not None]
         if caps and self.policy != "fixed":
             raise ConfigError(f"{', '.join(caps)}: caps of the fixed policy, not of policy {self.policy!r}")

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from controller.baselines import FixedPolicy, SeedStaticPolicy, VllmPolicy
 from controller.policy import Policy
+from engine.baselines.seed import FixedPolicy, SeedStaticPolicy
+from engine.baselines.vllm import VllmPolicy
 from engine.config import EngineConfig
 from engine.core.faults import OOMInjector
 from engine.core.llm_engine import Backend, LLMEngine
 from telemetry.probes.cgroup import cgroup_limit
 
-# EngineConfig's fixed caps whose Limits field has another name.
-LIMIT_NAMES = {"max_num_batched_tokens": "max_batched_tokens", "mixed": "allow_mixed"}
-
 
 def build_policy(cfg: EngineConfig) -> Policy:
+    """The policy by name; a baseline's (engine/baselines/) brings its engine's scheduler and OOM rules."""
     if cfg.policy == "seed-static":
         return SeedStaticPolicy()
     if cfg.policy == "vllm":
@@ -25,7 +24,7 @@ def build_policy(cfg: EngineConfig) -> Policy:
         from controller.config import load_config
 
         return AdaptivePolicy(load_config(cfg.controller_config, plant_defaults=controller_defaults(cfg)))
-    return FixedPolicy(**{LIMIT_NAMES.get(k, k): v for k, v in cfg.fixed_caps().items()})
+    return FixedPolicy.from_config(cfg.fixed_caps())
 
 
 # The controller's defaults on every CPU plant. The CPU probe counts tensor bytes exactly (telemetry/probes/
@@ -40,13 +39,10 @@ CPU_CONTROLLER_DEFAULTS: dict[str, float] = {"margin_floor_mib": 1.0}
 
 # And on a CPU whose memory is not a bound (`memory_bounded`). Its memory law lets a burst of prompts into
 # one prefill step of up to max_prefill_tokens (16,384) where memory allows, and there it always does; but a
-# CPU step's time grows with its tokens (about 0.35 s per 512 prompt tokens for the default model on 2
-# cores), and every running decode waits for it. Bursts of 64 prompts of 128 tokens (`bench_vs_vllm --only
-# headroom --concurrency 64`, alternated on one machine, bench/results/cpu_vs_vllm.md) started on average
-# after 3.1-3.4 s with 2,048-token steps, 2.6-2.7 s with 1,024 and 2.2-2.6 s with 512 (256: 2.2-2.3 s), at
-# the same or a higher output rate (385-394, 414-430, 378-422 tok/s): the linears run as fast at 512 rows as
-# at 2,048, and decodes wait less. Prompts under 512 tokens, as at concurrency 1 and 4 there, are not
-# affected. A config file or HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
+# CPU step's time grows with its tokens and every running decode waits for it. The linears run about as fast
+# at 512 rows as at 2,048, so smaller prefill steps start a burst's prompts sooner at the same output rate
+# (the sweep is in bench/results/cpu_vs_vllm.md). Prompts under 512 tokens are not affected. A config file or
+# HEADROOM_CONTROLLER_MAX_PREFILL_TOKENS overrides it.
 CPU_UNBOUNDED_DEFAULTS: dict[str, float] = {"max_prefill_tokens": 512}
 
 
@@ -88,6 +84,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
             block_size=cfg.block_size,
             realtime=cfg.realtime,
             max_model_len=cfg.max_model_len,
+            sensors=cfg.twin_sensors,
         )
     from engine.backends.torch_backend import TorchBackend
 

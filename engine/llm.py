@@ -9,6 +9,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.factory import build_engine
+from engine.frontend.output_processor import OutputProcessor
 
 
 @dataclass
@@ -29,6 +30,7 @@ class LLM:
             engine = build_engine(cfg)
         self.engine = engine
         self.tokenizer = self.engine.backend.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
 
     def generate(
@@ -41,18 +43,25 @@ class LLM:
         for prompt, p in zip(prompts, params_list, strict=True):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
             seqs.append(self.engine.add_request(str(self._next_id), ids, p))
+            self.processor.add_request(str(self._next_id), p)
             self._next_id += 1
+        texts = {seq.request_id: "" for seq in seqs}
+        reasons: dict[str, str | None] = {}  # the processor's: a stop string the last token completed is "stop"
         while self.engine.has_unfinished():
-            self.engine.step()
-        return [self._output(s) for s in seqs]
+            processed = self.processor.process(self.engine.step())
+            for request_id in processed.to_abort:  # a stop string ended it: free its KV before the next step
+                self.engine.abort(request_id, "stop")
+            for out in processed.outputs:
+                texts[out.request_id] += out.text
+                reasons[out.request_id] = out.finish_reason
+        return [
+            CompletionOutput(
+                texts[s.request_id], s.output_ids, list(s.prompt_ids), reasons[s.request_id], s.num_preemptions
+            )
+            for s in seqs
+        ]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> CompletionOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         # the template writes BOS itself
         return self.generate([self.tokenizer.encode(prompt, add_special_tokens=False)], params)[0]
-
-    def _output(self, seq: Sequence) -> CompletionOutput:
-        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer else ""
-        if seq.stop_text_len is not None:
-            text = text[: seq.stop_text_len]
-        return CompletionOutput(text, seq.output_ids, seq.prompt_ids, seq.finish_reason, seq.num_preemptions)

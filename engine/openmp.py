@@ -2,11 +2,10 @@
 
 torch's CPU wheel ships GNU OpenMP. On a small machine the engine's OpenMP threads share the cores with the
 server's event loop and the clients, and a GNU OpenMP thread that loses its core stalls every parallel
-region behind it. Intel's runtime handles that far better: on a 2-vCPU AMD EPYC, `headroom serve` at
-concurrency 1 went from 58 to 34 ms a token and at concurrency 16 from 93 to 74 ms with it preloaded
-(bench/results/cpu_vs_vllm.md). libiomp5 exports GNU OpenMP's entry points, so preloading it replaces the
-runtime without rebuilding torch; it ships in the `intel-openmp` wheel (an x86-64 dependency). A library
-can only be preloaded when a process starts, so the CLI re-executes itself once with LD_PRELOAD set.
+region behind it; Intel's runtime recovers from that far better.
+libiomp5 exports GNU OpenMP's entry points, so preloading it replaces the runtime without rebuilding torch;
+it ships in the `intel-openmp` wheel (an x86-64 dependency). A library can only be preloaded when a process
+starts, so the CLI re-executes itself once with LD_PRELOAD set.
 `HEADROOM_IOMP=0` opts out.
 """
 

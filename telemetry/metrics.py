@@ -20,6 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from telemetry.controller_stats import ControllerStats
 from telemetry.record import StepRecord
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the Content-Type header for exposition()
@@ -52,7 +53,7 @@ LIMIT_KEYS = (
     "max_batched_tokens",
     "kv_reserve_ratio",
 )
-# observe_controller: cumulative count key -> counter name.
+# observe_controller: ControllerStats count field -> counter name.
 CONTROLLER_COUNTERS = {
     "backoffs": "headroom_backoffs",
     "deferrals": "headroom_deferrals",
@@ -61,6 +62,7 @@ CONTROLLER_COUNTERS = {
     "rejected_too_long": "headroom_rejected_too_long",
     "kv_pool_resizes": "headroom_kv_pool_resizes",
 }
+# observe_controller: ControllerStats gauge field -> gauge name.
 CONTROLLER_GAUGES = {
     "budget_bytes": "headroom_memory_budget_bytes",
     "predicted_peak_bytes": "headroom_predicted_peak_bytes",
@@ -95,93 +97,113 @@ class RequestTiming:
     token_times: list[float] = field(default_factory=list)  # time of every output token, first included
 
 
+class _Family:
+    """Metric constructors on one registry, labelled by model name (and any extra labels)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def gauge(self, metric: str, doc: str) -> Gauge:
+        return Gauge(metric, doc, ["model_name"], registry=self.registry)
+
+    def counter(self, metric: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(metric, doc, ["model_name", *extra], registry=self.registry)  # exposed as <metric>_total
+
+    def histogram(self, metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(metric, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+
 class Metrics:
     def __init__(self, model_name: str = "default", max_model_len: int = 8192) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        r, labels, name = self.registry, ["model_name"], model_name
+        family = _Family(self.registry)
+        self._init_vllm(family, build_1_2_5_buckets(max_model_len))
+        self._init_memory(family)
+        self._init_controller(family)
+        self._init_engine(family)
 
-        def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(metric, doc, labels, registry=r)
-
-        def counter(metric: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(metric, doc, labels + list(extra), registry=r)  # exposed as <metric>_total
-
-        def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(metric, doc, labels, buckets=buckets, registry=r)
-
-        # vLLM-compatible.
-        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.").labels(name)
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.").labels(name)
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.").labels(name)
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.").labels(name)
-        self.prompt_tokens = counter(
+    def _init_vllm(self, f: _Family, token_buckets: tuple[float, ...]) -> None:
+        """vLLM's names and meanings, so existing vLLM dashboards work."""
+        name = self.model_name
+        self.running = f.gauge("vllm:num_requests_running", "Requests in the running batch.").labels(name)
+        self.waiting = f.gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.").labels(name)
+        self.kv_usage = f.gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.").labels(name)
+        self.preemptions = f.counter("vllm:num_preemptions", "Cumulative preemptions.").labels(name)
+        self.prompt_tokens = f.counter(
             "vllm:prompt_tokens", "Prefill tokens processed (recomputed after preemption counted again)."
         ).labels(name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.").labels(name)
-        self.prefix_cache_queries = counter(
+        self.generation_tokens = f.counter("vllm:generation_tokens", "Generation tokens produced.").labels(name)
+        self.prefix_cache_queries = f.counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in tokens (every token of each admitted request)."
         ).labels(name)
-        self.prefix_cache_hits = counter(
+        self.prefix_cache_hits = f.counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in tokens (KV taken from the cache at admission)."
         ).labels(name)
-        success = counter("vllm:request_success", "Finished requests.", ("finished_reason",))
+        success = f.counter("vllm:request_success", "Finished requests.", ("finished_reason",))
         self.success = {reason: success.labels(name, reason) for reason in FINISH_REASONS}
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(name)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS).labels(name)
-        self.e2e = histogram(
+        self.ttft = f.histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(name)
+        self.itl = f.histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS).labels(name)
+        self.e2e = f.histogram(
             "vllm:e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS
         ).labels(name)
-        self.queue_time = histogram(
+        self.queue_time = f.histogram(
             "vllm:request_queue_time_seconds", "Time from arrival to first scheduled.", REQUEST_LATENCY_BUCKETS
         ).labels(name)
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
+        self.request_prompt_tokens = f.histogram(
             "vllm:request_prompt_tokens", "Prompt length of finished requests.", token_buckets
         ).labels(name)
-        self.request_generation_tokens = histogram(
+        self.request_generation_tokens = f.histogram(
             "vllm:request_generation_tokens", "Generated tokens of finished requests.", token_buckets
         ).labels(name)
 
-        # Memory and controller.
-        self.step_peak = gauge("headroom_step_peak_bytes", "Last step's peak above idle.").labels(name)
-        self._device_used = gauge("headroom_device_used_bytes", "Device used bytes (NVML), all processes.")
-        self._device_total = gauge("headroom_device_total_bytes", "Device total bytes (NVML).")
-        self.capacity = gauge("headroom_memory_capacity_bytes", "Bytes the allocator may use.").labels(name)
-        self.idle = gauge("headroom_idle_bytes", "Allocated bytes with no step running.").labels(name)
+    def _init_memory(self, f: _Family) -> None:
+        name = self.model_name
+        self.step_peak = f.gauge("headroom_step_peak_bytes", "Last step's peak above idle.").labels(name)
+        self._device_used = f.gauge("headroom_device_used_bytes", "Device used bytes (NVML), all processes.")
+        self._device_total = f.gauge("headroom_device_total_bytes", "Device total bytes (NVML).")
+        self.capacity = f.gauge("headroom_memory_capacity_bytes", "Bytes the allocator may use.").labels(name)
+        self.idle = f.gauge("headroom_idle_bytes", "Allocated bytes with no step running.").labels(name)
+        self.alloc_retries = f.counter(
+            "headroom_alloc_retries", "Allocator retries (cache flushed and retried)."
+        ).labels(name)
+        self._alloc_retries_last = 0
+        self.probe_overhead = f.counter(
+            "headroom_probe_overhead_seconds", "Time the memory probe spent measuring (CPU tracker)."
+        ).labels(name)
+        self.probe_sampled = f.counter("headroom_probe_sampled_steps", "Steps the probe measured.").labels(name)
+        self._probe_last = (0.0, 0)
+
+    def _init_controller(self, f: _Family) -> None:
+        name = self.model_name
         self._limit_gauges = {
-            key: gauge(f"headroom_limit_{key}", f"Limit in force: {key} (absent when unlimited).") for key in LIMIT_KEYS
+            key: f.gauge(f"headroom_limit_{key}", f"Limit in force: {key} (absent when unlimited).")
+            for key in LIMIT_KEYS
         }
         self._limit_set: set[str] = set()
         self.controller_gauges = {
-            key: gauge(metric, f"Controller state: {key}.").labels(name) for key, metric in CONTROLLER_GAUGES.items()
+            key: f.gauge(metric, f"Controller state: {key}.").labels(name) for key, metric in CONTROLLER_GAUGES.items()
         }
         self.controller_counters = {
-            key: counter(metric, f"Controller events: {key}.").labels(name)
+            key: f.counter(metric, f"Controller events: {key}.").labels(name)
             for key, metric in CONTROLLER_COUNTERS.items()
         }
-        self._controller_last: dict[str, float] = {}
-        self.step_phase = counter(
+        self._controller_last: dict[str, int] = {}
+
+    def _init_engine(self, f: _Family) -> None:
+        name = self.model_name
+        self.step_phase = f.counter(
             "headroom_step_phase_seconds", "Engine step wall time by phase (telemetry/phases.py).", ("phase",)
         )
         self._phase_last: dict[str, float] = {}
-        self.healthy = gauge("headroom_engine_healthy", "1 while the engine serves.").labels(name)
+        self.healthy = f.gauge("headroom_engine_healthy", "1 while the engine serves.").labels(name)
         self.healthy.set(1)
-        self.ooms = counter("headroom_ooms", "Steps that raised OutOfMemoryError.").labels(name)
-        self.alloc_retries = counter("headroom_alloc_retries", "Allocator retries (cache flushed and retried).").labels(
-            name
-        )
-        self._alloc_retries_last = 0
-        self.kv_used = gauge("headroom_kv_blocks_used", "KV blocks in use.").labels(name)
-        self.kv_free = gauge("headroom_kv_blocks_free", "KV blocks free.").labels(name)
+        self.ooms = f.counter("headroom_ooms", "Steps that raised OutOfMemoryError.").labels(name)
+        self.kv_used = f.gauge("headroom_kv_blocks_used", "KV blocks in use.").labels(name)
+        self.kv_free = f.gauge("headroom_kv_blocks_free", "KV blocks free.").labels(name)
         # Not headroom_kv_blocks_total: promtool rejects a _total suffix on anything but a counter.
-        self.kv_total = gauge("headroom_kv_blocks_capacity", "KV blocks in the pool.").labels(name)
-        self.probe_overhead = counter(
-            "headroom_probe_overhead_seconds", "Time the memory probe spent measuring (CPU tracker)."
-        ).labels(name)
-        self.probe_sampled = counter("headroom_probe_sampled_steps", "Steps the probe measured.").labels(name)
-        self._probe_last = (0.0, 0)
-        self.step_duration = histogram(
+        self.kv_total = f.gauge("headroom_kv_blocks_capacity", "KV blocks in the pool.").labels(name)
+        self.step_duration = f.histogram(
             "headroom_step_duration_seconds", "Engine step duration.", STEP_DURATION_BUCKETS
         ).labels(name)
 
@@ -218,14 +240,12 @@ class Metrics:
         if mem.alloc_retries > self._alloc_retries_last:
             self.alloc_retries.inc(mem.alloc_retries - self._alloc_retries_last)
         self._alloc_retries_last = mem.alloc_retries
-        for key in LIMIT_KEYS:
-            value = record.limits.get(key)
-            if value is not None and value < UNLIMITED:
-                self._limit_gauges[key].labels(name).set(value)
-                self._limit_set.add(key)
-            elif key in self._limit_set:
-                self._limit_gauges[key].remove(name)
-                self._limit_set.discard(key)
+        finite = {k: v for k, v in record.limits.items() if k in self._limit_gauges and v < UNLIMITED}
+        for key in self._limit_set - finite.keys():
+            self._limit_gauges[key].remove(name)
+        for key, value in finite.items():
+            self._limit_gauges[key].labels(name).set(value)
+        self._limit_set = set(finite)
 
     def observe_probe(self, probe: object) -> None:
         """The probe's own cost, for probes that track it (CpuProbe: `overhead_seconds`,
@@ -241,17 +261,15 @@ class Metrics:
             self.probe_sampled.inc(sampled - last_sampled)
         self._probe_last = (max(overhead, last_overhead), max(sampled, last_sampled))
 
-    def observe_controller(self, state: dict) -> None:
-        """Controller state: gauges as given, counters by the delta of the cumulative counts in `state`
-        (a count that went down means the controller restarted: its new value is the delta)."""
+    def observe_controller(self, stats: ControllerStats) -> None:
+        """The policy's stats: gauges as given (None: not set), counters by the delta of the cumulative
+        counts (a count that went down means the controller restarted: its new value is the delta)."""
         for key, child in self.controller_gauges.items():
-            value = state.get(key)
+            value = getattr(stats, key)
             if value is not None:
                 child.set(float(value))
         for key, child in self.controller_counters.items():
-            value = state.get(key)
-            if value is None:
-                continue
+            value = getattr(stats, key)
             last = self._controller_last.get(key, 0)
             delta = value - last if value >= last else value
             if delta > 0:

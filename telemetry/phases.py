@@ -1,7 +1,7 @@
-"""Where an engine step's wall time goes, by phase, so that work outside the forward is seen as it grows
-(issue #14's per-step breakdown). Phases are timed where they run: the scheduler and the controller in the
-engine step, the forward and the sampler in the backend, detokenizing and streaming partly on the engine
-thread and partly on the server's event loop, hence the lock.
+"""Where an engine step's wall time goes, by phase, so that work outside the forward is seen as it grows.
+Phases are timed where they run, on the engine thread: the scheduler and the controller in the engine step,
+the forward and the sampler in the backend, detokenizing and streaming in the output processor right after
+the step. The lock is for readers on other threads (/metrics, /controller/state).
 
 Phases: schedule (pool sizing and packing the batch), forward (the model, logits included), sampler,
 controller (the policy observing the step), telemetry (the step record and its listeners: metrics, trace),

@@ -105,15 +105,19 @@ def fake_flash(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - the tests/fak
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `cuda` need a CUDA device (bench/device_check.sh runs them where one is lent)."""
+    """Tests marked `cuda` need a CUDA device (bench/device_check.sh runs them where one is lent); tests marked
+    `slow` run only when asked for (`-m slow`), so the default suite stays within its time."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skips = []
+    if not torch.cuda.is_available():
+        skips.append(("cuda", pytest.mark.skip(reason="needs a CUDA device")))
+    if "slow" not in (config.getoption("markexpr") or ""):
+        skips.append(("slow", pytest.mark.skip(reason="a slow test: run with -m slow")))
     for item in items:
-        if item.get_closest_marker("cuda"):
-            item.add_marker(skip)
+        for marker, skip in skips:
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
+from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
-from engine.core.scheduler import ScheduledBatch
 from telemetry.probes.null import NullProbe
 
 
@@ -25,22 +25,25 @@ class FakeBackend:
         self.eos_token_ids = {eos}
         self.slots = [-1] * (num_blocks * block_size)
         self.probe = NullProbe()
-        self.steps: list[ScheduledBatch] = []
+        self.steps: list[SchedulerOutput] = []
+        self.host: dict[str, list[list[int]]] = {}  # swapped-out requests' slots, by request id
+        self.dropped: list[str] = []  # requests the scheduler said finished
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         self.steps.append(batch)
+        self.dropped += batch.finished
         out = []
         for item in batch.items:
-            seq, bs = item.seq, self.block_size
-            kv = self.slots[seq.block_table[(item.start - 1) // bs] * bs + (item.start - 1) % bs] if item.start else 0
-            for pos, token in enumerate(seq.token_slice(item.start, item.start + item.num_tokens), item.start):
+            table, bs = item.block_table, self.block_size
+            kv = self.slots[table[(item.start - 1) // bs] * bs + (item.start - 1) % bs] if item.start else 0
+            for pos, token in enumerate(item.token_ids, item.start):
                 kv = (kv * 31 + token) % 1_000_003
-                self.slots[seq.block_table[pos // bs] * bs + pos % bs] = kv
+                self.slots[table[pos // bs] * bs + pos % bs] = kv
             if item.sample:
                 end = item.start + item.num_tokens
-                kv = [self.slots[seq.block_table[p // bs] * bs + p % bs] for p in range(end)]
+                kv = [self.slots[table[p // bs] * bs + p % bs] for p in range(end)]
                 out.append(1 + (sum(t * (i + 7) for i, t in enumerate(kv)) % 997))
-        return out
+        return ModelOutput(out)
 
     def resize_kv(self, plan: ResizePlan) -> float:
         bs = self.block_size
@@ -52,18 +55,17 @@ class FakeBackend:
         return 0.0
 
     def swap(self, out: list, into: list) -> float:
-        """The slots of each `out` sequence's blocks to a host list, then each `into` host list back into new
+        """The slots of each `out` request's blocks to a host list, then each `into` host list back into new
         blocks; the old slots are scribbled over, so a swap-in that reads the wrong copy changes output."""
         bs = self.block_size
-        for seq, blocks in out:
-            seq.kv_host = [self.slots[b * bs : (b + 1) * bs] for b in blocks]
+        for rid, blocks in out:
+            self.host[rid] = [self.slots[b * bs : (b + 1) * bs] for b in blocks]
             for b in blocks:
                 self.slots[b * bs : (b + 1) * bs] = [-7] * bs
             self.swapped_blocks += len(blocks)
-        for seq, blocks in into:
-            for b, saved in zip(blocks, seq.kv_host, strict=True):
+        for rid, blocks in into:
+            for b, saved in zip(blocks, self.host.pop(rid), strict=True):
                 self.slots[b * bs : (b + 1) * bs] = saved
-            seq.kv_host = None
         return 0.0
 
     def now(self) -> float:

@@ -10,6 +10,8 @@ from controller.admission import decodes_that_fit
 from controller.config import ControllerConfig
 from controller.kv_reservation import KVReservation
 from controller.limits import Limits
+from controller.step_budget import Packer
+from engine.core.batch import ModelOutput
 from engine.core.kv_cache import BlockAllocator
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -64,9 +66,9 @@ def train(pol: AdaptivePolicy, per_token: float = 0.5, steps: int = 60, start: i
 
 def test_protocol_surface_and_state() -> None:
     pol = AdaptivePolicy()
-    assert pol.name == "adaptive" and pol.recovers_oom is True
+    assert pol.name == "adaptive"
     lim = pol.limits()
-    assert isinstance(lim, Limits) and lim.allow_mixed and lim.chunked_prefill and not lim.prefill_first
+    assert isinstance(lim, Limits) and lim.chunked_prefill and pol.step_budget().limits is lim
     assert lim.max_prefill_tokens == ControllerConfig().cold_prefill_tokens  # conservative cold start
     train(pol)
     st = pol.state()
@@ -113,19 +115,45 @@ def test_fit_chunk_respects_the_budget() -> None:
     pol.law.prefill_cap = 16384
     usable = pol.budget.budget.usable_mib
     assert pol.effective_prefill_tokens() == pol.state()["effective_prefill_tokens"]
-    assert pol.state()["counters"]["chunks"] == 0  # asking what fits counts nothing
-    c = pol.fit_chunk(StepShape(), 0, 16384)
+    budget = pol.step_budget()
+    c = budget.fit_chunk(StepShape(), 0, 16384)
     assert 0 < c < 16384 and c == pol.effective_prefill_tokens()
     assert pol.memory_decode_seqs(100) == pol.cfg.max_decode_seqs  # 0.5 MiB a decode: the ceiling binds
     assert pol.memory_decode_seqs(100) >= pol.memory_decode_seqs(10**9) == 0
     predicted = 10 + 0.5 * c
     assert 0.8 * usable < predicted <= usable
     # beside a packed step, less fits; a nearly full step defers
-    c2 = pol.fit_chunk(prefill(c // 2), 0, 16384)
+    c2 = budget.fit_chunk(prefill(c // 2), 0, 16384)
     assert 0 < c2 < c
-    assert pol.fit_chunk(prefill(c - 10), 0, 16384) == 0
-    st = pol.state()["counters"]
-    assert st["chunks"] >= 2 and st["deferrals"] >= 1
+    assert budget.fit_chunk(prefill(c - 10), 0, 16384) == 0
+
+
+def test_fit_functions_are_pure_and_the_counts_come_with_observe() -> None:
+    """Asking the budget what fits, twice or not at all, changes nothing in the policy; what the scheduler's
+    packing cut reaches the counters and the decision log only through observe(record, cuts)."""
+    pol = AdaptivePolicy()
+    step = train(pol, per_token=0.5, steps=200)
+    pol.law.prefill_cap = 16384
+    budget = pol.step_budget()
+    before = pol.state()
+    shape = prefill(budget.fit_chunk(StepShape(), 0, 16384) // 2)
+    first = [budget.fit_chunk(shape, 0, 16384), budget.fit_decodes(shape, [10**6] * 64)]
+    assert first == [budget.fit_chunk(shape, 0, 16384), budget.fit_decodes(shape, [10**6] * 64)]
+    assert pol.state() == before and pol.step_budget() is budget
+    packer = Packer(budget)
+    assert 0 < packer.chunk(shape, 0, 16384) < 16384 and packer.decodes(shape, [10**6] * 64) < 64
+    cuts = packer.cuts()
+    assert cuts.cut and cuts.chunks == 1 and cuts.deferred_decodes > 0
+    assert pol.state() == before
+    pol.observe(record(step, shape, 10.0), cuts)
+    counters = pol.state()["counters"]
+    assert counters["chunks"] == before["counters"]["chunks"] + 1
+    assert counters["deferrals"] == before["counters"]["deferrals"] + cuts.deferred
+    assert "pack" not in [d["action"] for d in before["decisions"]]
+    assert "pack" in [d["action"] for d in pol.state()["decisions"]]
+    # a budget once published does not move with what the policy learns after it
+    assert [budget.fit_chunk(shape, 0, 16384), budget.fit_decodes(shape, [10**6] * 64)] == first
+    assert pol.step_budget() is not budget
 
 
 def test_decodes_that_fit_is_the_prefix_that_fits() -> None:
@@ -143,9 +171,13 @@ def test_decodes_that_fit_is_the_prefix_that_fits() -> None:
 def test_liveness_an_empty_step_always_makes_progress() -> None:
     pol = AdaptivePolicy()
     train(pol, per_token=50.0)  # everything looks enormous
-    assert pol.fit_chunk(StepShape(), 0, 4096) == ControllerConfig().min_chunk
-    assert pol.fit_decodes(StepShape(), [100000, 100000]) == 1
-    assert pol.fit_chunk(StepShape(), 0, 8) == 8
+    budget = pol.step_budget()
+    assert budget.fit_chunk(StepShape(), 0, 4096) == 0 and budget.fit_decodes(StepShape(), [100000] * 2) == 0
+    packer = Packer(budget)
+    assert packer.chunk(StepShape(), 0, 4096) == ControllerConfig().min_chunk
+    assert packer.decodes(StepShape(), [100000, 100000]) == 1
+    assert packer.chunk(StepShape(), 0, 8) == 8
+    assert packer.cuts().chunks == 2 and packer.cuts().deferred == 0  # the liveness decode is not a cut
 
 
 def test_reject_reason_only_for_certain_failures() -> None:
@@ -255,14 +287,14 @@ def run_scheduler(
         ooms += oom
         sampled = [it for it in batch.items if it.sample]
         if not oom:
-            sched.update(batch, [1] * len(sampled))
-            for it in sampled:
-                if len(it.seq.output_ids) >= it.seq.max_tokens:
-                    outputs[it.seq.request_id] = len(it.seq.output_ids)
-                    sched.finish(it.seq, "length")
+            for seq, it in sched.update(batch, ModelOutput([1] * len(sampled))):
+                if it.sample and len(seq.output_ids) >= seq.max_tokens:
+                    outputs[seq.request_id] = len(seq.output_ids)
+                    sched.finish(seq, "length")
                     active -= 1
                     done += 1
-        pol.observe(record(step, s, min(peak, (CAPACITY - IDLE) / MIB), oom=oom, preempted=len(batch.preempted)))
+        rec = record(step, s, min(peak, (CAPACITY - IDLE) / MIB), oom=oom, preempted=len(batch.preempted))
+        pol.observe(rec, batch.cuts)
     return pol, outputs, ooms, step
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from bench.loadgen import load_trace, run_trace
 from bench.report import latency_table, metrics
-from controller.baselines import FixedPolicy
 from engine.backends.twin.backend import TwinBackend
+from engine.baselines.seed import FixedPolicy
 from engine.cli import main
 from engine.core.llm_engine import LLMEngine
 

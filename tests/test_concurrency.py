@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from controller.adaptive import DECISIONS_KEPT, AdaptivePolicy
+from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.llm_engine import LLMEngine
-from engine.core.scheduler import ScheduledBatch
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext
@@ -58,7 +58,7 @@ class MeteredBackend(FakeBackend):
         super().__init__(num_blocks=512, block_size=4, max_model_len=2048)
         self.probe = LinearMemoryProbe(CAPACITY, IDLE)
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         self.steps.clear()  # keep no history: the test runs thousands of steps
         return super().execute(batch)
 

@@ -1,11 +1,17 @@
 """The C++ CPU kernels (engine/model/cpu_kernels.py): the elementwise ops against the model's plain-torch ones,
 each row computed the same alone and in a batch, the bf16 linear against an fp32 reference and bitwise
-batch-invariant, the build cached per machine, and the fallback to plain torch where nothing can be built.
-Paged attention itself is checked in tests/test_model.py against a dense reference and for bitwise batch
-invariance, and end to end in tests/test_hf_reference.py."""
+batch-invariant, the build cached per machine, a broken build failing the tests, and the fallback to plain
+torch (with a warning) where nothing can be built. Paged attention itself is checked in tests/test_model.py
+against a dense reference and for bitwise batch invariance, and end to end in tests/test_hf_reference.py.
+
+Where a compiler exists and the kernels do not build, every test here fails (tests/kernel_build.py): a
+syntax error in a kernel must not leave the suite green while the server falls back to slower torch."""
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import subprocess
 
 import pytest
@@ -18,19 +24,23 @@ from engine.model.batch_invariance import linear_row_mismatch, linear_weight
 from engine.model.cpu_kernels import CpuKernelOps, PackedLinear, build
 from engine.model.dtype_choice import CpuFacts
 from engine.model.kernel_choice import choose_kernel
-from engine.model.llama import ModelConfig, TorchOps
+from engine.model.llama import TorchOps
 from engine.model.loaders.random_model import random_llama
+from engine.model.model_config import ModelConfig
+from tests.kernel_build import require_cpu_kernels
 
 CPU = torch.device("cpu")
 DIM, HEADS, HEAD_DIM, ROWS = 576, 12, 64, 37
 # bf16 results: torch rounds between ops, the kernels once at the end; they may differ by a rounding step
+# a model whose head size the kernels take (32), small enough to build in a moment
+TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                   head_dim=32, max_position_embeddings=64)  # fmt: skip
 TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 @pytest.fixture(autouse=True)
 def kernels_built() -> None:
-    if cpu_kernels.load_library().library is None:
-        pytest.skip(f"the CPU kernels did not build here: {cpu_kernels.load_library().reason}")
+    require_cpu_kernels()
 
 
 def case(dtype: torch.dtype, rows: int = ROWS) -> dict[str, torch.Tensor]:
@@ -96,16 +106,48 @@ def test_the_build_is_cached_per_machine(tmp_path, monkeypatch: pytest.MonkeyPat
     assert build(tmp_path).library is not None and len(compiles) == 2
 
 
-def test_without_a_compiler_the_backend_says_why_and_runs_plain_torch(tmp_path, monkeypatch) -> None:
+def test_a_kernel_that_does_not_compile_fails_the_tests(tmp_path) -> None:
+    """A copy of csrc with a syntax error: the build is reported as failed, with the compiler's first error
+    lines, and the tests' helper fails on it rather than skipping."""
+    if shutil.which(os.environ.get(cpu_kernels.COMPILER_ENV, "g++")) is None:
+        pytest.skip("no C++ compiler here to fail a build with")
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    with (csrc / "elementwise.cpp").open("a") as f:
+        f.write("\nint headroom_broken( {\n")
+    broken = build(tmp_path / "cache", csrc=csrc)
+    assert broken.library is None and broken.failed
+    assert "failed" in broken.reason and "elementwise.cpp" in broken.reason and "error" in broken.reason
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # nothing half-built is cached
+    with pytest.raises(pytest.fail.Exception, match="failed to build with a compiler present"):
+        require_cpu_kernels(broken)
+
+
+def test_without_a_compiler_the_backend_warns_and_runs_plain_torch(tmp_path, monkeypatch, caplog) -> None:
     missing = build(tmp_path, compiler="no-such-compiler-here")
-    assert missing.library is None and "no C++ compiler" in missing.reason
+    assert missing.library is None and not missing.failed and "no C++ compiler" in missing.reason
+    with pytest.raises(pytest.skip.Exception, match="no C\\+\\+ compiler"):
+        require_cpu_kernels(missing)  # a machine without a compiler skips the kernels' tests
     broken = build(tmp_path, compiler="false")  # a "compiler" that fails
-    assert broken.library is None and "failed" in broken.reason
+    assert broken.library is None and broken.failed and "failed" in broken.reason
     monkeypatch.setattr(cpu_kernels, "load_library", lambda: missing)
     choice = choose_kernel("auto", None, CPU, torch.bfloat16)
     assert (choice.attention, choice.block_size) == ("sdpa", 16) and "no C++ compiler" in choice.reason
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
         choose_kernel("cpu", None, CPU, torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="headroom.engine"):
+        backend = TorchBackend(random_llama(TINY, torch.float32, "cpu"), dtype="float32", device="cpu", num_blocks=4)
+    assert backend.attention == "sdpa" and isinstance(backend.model.ops, TorchOps)
+    assert any(r.levelno == logging.WARNING and "no C++ compiler" in r.getMessage() for r in caplog.records)
+
+
+def test_asking_for_sdpa_on_the_cpu_warns(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="headroom.engine"):
+        TorchBackend(random_llama(TINY, torch.float32, "cpu"), dtype="float32", device="cpu", num_blocks=4,
+                     attention="sdpa")  # fmt: skip
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "CPU kernels off, the model runs in plain torch (slower): --attention sdpa"
+    ]
 
 
 def test_auto_takes_the_cpu_kernels_on_the_cpu_in_bf16_and_fp32_only() -> None:
@@ -117,13 +159,15 @@ def test_auto_takes_the_cpu_kernels_on_the_cpu_in_bf16_and_fp32_only() -> None:
         choose_kernel("cpu", None, torch.device("cuda"), torch.bfloat16)
 
 
-def test_a_head_size_the_kernel_cannot_take_runs_on_sdpa() -> None:
+def test_a_head_size_the_kernel_cannot_take_runs_on_sdpa(caplog) -> None:
     cfg = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                       head_dim=24, max_position_embeddings=64)  # fmt: skip
     loaded = random_llama(cfg, torch.float32, "cpu")
-    backend = TorchBackend(loaded, dtype="float32", device="cpu", num_blocks=4)
+    with caplog.at_level(logging.WARNING, logger="headroom.engine"):
+        backend = TorchBackend(loaded, dtype="float32", device="cpu", num_blocks=4)
     assert backend.attention == "sdpa" and "multiple of 16" in backend.kernel_reason
     assert isinstance(backend.model.ops, TorchOps)
+    assert any("multiple of 16" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     with pytest.raises(ValueError, match="multiple of 16"):
         TorchBackend(loaded, dtype="float32", device="cpu", num_blocks=4, attention="cpu")
 

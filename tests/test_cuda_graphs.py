@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from controller.baselines import FixedPolicy
 from engine.backends.torch_backend import TorchBackend
+from engine.baselines.seed import FixedPolicy
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams

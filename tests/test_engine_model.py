@@ -28,6 +28,7 @@ from engine.model.batch_invariance import linear_min_rows, linear_row_mismatch
 from engine.model.cpu_kernels import linear_unusable_reason
 from engine.model.dtype_choice import choose_dtype
 from engine.model.loaders import load
+from tests.kernel_build import fail_on_broken_build
 
 PROMPTS = [
     "The capital of France is",
@@ -41,6 +42,13 @@ PROMPTS = [
     "The three primary colors are red, " * 6,
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_not_broken() -> None:
+    """On the CPU the engine runs the C++ kernels: a build that fails with a compiler present fails these
+    tests rather than letting them pass on the plain-torch fallback (tests/kernel_build.py)."""
+    fail_on_broken_build()
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +87,7 @@ def generate_together(dtype: str, **options: object) -> tuple[list[list[int]], L
         {
             "num_blocks": 256,
             "kv_reserve_ratio": 0.0,
-            "mixed": True,
-            "prefill_first": False,
+            "fixed_steps": "mixed",
             "max_num_batched_tokens": 32,
         },
     ],
@@ -97,7 +104,7 @@ def test_batched_greedy_equals_alone(invariant_dtype, reference, options):
 def test_preemption_keeps_greedy_tokens(invariant_dtype, reference):
     # 12 blocks of 16 tokens cannot hold 8 prompts of ~10-40 tokens plus growth: decodes preempt by recompute.
     together, llm = generate_together(
-        invariant_dtype, num_blocks=12, kv_reserve_ratio=0.0, mixed=True, prefill_first=False
+        invariant_dtype, num_blocks=12, kv_reserve_ratio=0.0, fixed_steps="mixed"
     )
     assert llm.engine.scheduler.num_preemptions > 0
     assert together == reference

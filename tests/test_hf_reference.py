@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 from engine.backends.torch_backend import TorchBackend
 from engine.model.attention import build_attention_metadata
 from tests.fixtures_llama import build_tiny_llama
+from tests.kernel_build import require_cpu_kernels
 
 DECODE_STEPS = 4
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
@@ -24,6 +25,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 @pytest.mark.parametrize("attention", ["cpu", "sdpa"])  # the C++ kernels, and the model in plain torch
 @torch.inference_mode()
 def test_logits_match_transformers(tiny, attention: str) -> None:
+    if attention == "cpu":
+        require_cpu_kernels()
     reference = LlamaForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
     backend = TorchBackend(str(tiny.hf_dir), dtype="float32", device="cpu", num_blocks=8, attention=attention)
     model, bs = backend.model, backend.block_size

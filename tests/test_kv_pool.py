@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controller.baselines import FixedPolicy
 from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.memory import MIB
+from engine.baselines.seed import FixedPolicy
 from engine.core.kv_cache import BlockAllocator
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams

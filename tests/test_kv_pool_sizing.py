@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from controller.config import ControllerConfig
 from controller.kv_pool import MIB, PoolSizer
+from controller.step_budget import MemoryCuts
 from engine.cli import engine_config
+from engine.core.batch import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch
 from engine.factory import build_engine
 from telemetry.metrics import Metrics
 
@@ -93,11 +94,9 @@ def test_pool_shrinks_before_the_step_when_another_process_takes_memory_and_grow
 
 
 def test_metrics_export_pool_bytes_and_resizes():
-    from engine.serving.health_routes import controller_metrics
-
     e = twin_engine()
     m = Metrics("twin")
-    m.observe_controller(controller_metrics(e.policy.state(), 0))
+    m.observe_controller(e.policy.stats())
     label = {"model_name": "twin"}
     pool = e.allocator.num_blocks * e.backend.block_bytes
     assert m.registry.get_sample_value("headroom_kv_pool_bytes", label) == pool
@@ -161,17 +160,16 @@ def test_reserve_stays_low_while_the_free_blocks_are_owed_to_a_recompute():
     pol.pool.note_demand(1, preempted=1, prefill_cut=False, spare_blocks=0)  # KV binds
     assert pol.pool.kv_bound
     give_back = -(-(pol.pool.full_reserve - pol.pool.reserve) // pol.pool.block_bytes)
-    rec = e._record(ScheduledBatch(), 0.0, 0.0, False)
+    rec = e._record(SchedulerOutput(), 0.0, 0.0, False)
     free = rec.kv_blocks_free
     rec.step_id = pol.cfg.pool_cooldown + 10
-    pol._step_chunks = 1  # the step cut a prefill for memory
+    cut = MemoryCuts(chunks=1, cut=True)  # the step cut a prefill for memory
     rec.kv_blocks_owed = free - give_back + 1
-    pol.observe(rec)
+    pol.observe(rec, cut)
     assert pol.pool.kv_bound  # one block short of spare: the reserve stays low
     rec.step_id += 1
     rec.kv_blocks_owed = free - give_back
-    pol._step_chunks = 1
-    pol.observe(rec)
+    pol.observe(rec, cut)
     assert not pol.pool.kv_bound
 
 

@@ -17,6 +17,7 @@ import statistics
 from controller.adaptive import AdaptivePolicy
 from controller.config import ControllerConfig
 from controller.law import ControlLaw
+from controller.step_budget import Packer
 from telemetry.record import MemorySample, StepRecord, StepShape
 
 MIB = 1 << 20
@@ -96,13 +97,14 @@ def closed_loop(steps: int = 1000, change_at: int = 500, seed: int = 0, decodes:
     context = 0
     for step in range(1, steps + 1):
         scale = 2.0 if step > change_at else 1.0
-        lim = pol.limits()
+        packer = Packer(pol.step_budget())
+        lim = packer.budget.limits
         shape = StepShape()
-        n = pol.fit_decodes(shape, [2000] * decodes)
+        n = packer.decodes(shape, [2000] * decodes)
         shape.decode_seqs += n
         shape.sum_context += 2000 * n
         shape.sampled_seqs += n
-        c = pol.fit_chunk(shape, context, min(8192, lim.max_prefill_tokens))
+        c = packer.chunk(shape, context, min(8192, lim.max_prefill_tokens))
         if c:
             shape.prefill_tokens += c
             shape.prefill_seqs += 1
@@ -116,7 +118,7 @@ def closed_loop(steps: int = 1000, change_at: int = 500, seed: int = 0, decodes:
         mem = MemorySample(
             peak_allocated=int(IDLE + measured), reserved=int(IDLE + measured), idle_baseline=IDLE, capacity=CAPACITY
         )
-        pol.observe(StepRecord(step, 0.0, 0.0, shape, mem, 10, 10, 20, oom=oom))
+        pol.observe(StepRecord(step, 0.0, 0.0, shape, mem, 10, 10, 20, oom=oom), packer.cuts())
         context = (context + c) % 8192 if not oom else context
         chunks.append(c)
         peaks.append(measured / MIB)

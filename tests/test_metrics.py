@@ -8,7 +8,8 @@ import subprocess
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.metrics import Metrics, RequestTiming, build_1_2_5_buckets
+from telemetry.controller_stats import ControllerStats
+from telemetry.metrics import CONTROLLER_COUNTERS, CONTROLLER_GAUGES, Metrics, RequestTiming, build_1_2_5_buckets
 from telemetry.record import MemorySample, StepRecord, StepShape
 
 UNLIMITED = 1 << 30
@@ -112,17 +113,17 @@ def exercised() -> Metrics:
     m = Metrics("m", max_model_len=4096)
     m.observe_step(record())
     m.observe_controller(
-        {
-            "budget_bytes": 6 << 30,
-            "predicted_peak_bytes": 1 << 30,
-            "margin_bytes": 1 << 28,
-            "emergency": True,
-            "backoffs": 1,
-            "deferrals": 2,
-            "chunks": 3,
-            "ooms_recovered": 1,
-            "rejected_too_long": 4,
-        }
+        ControllerStats(
+            budget_bytes=6 << 30,
+            predicted_peak_bytes=1 << 30,
+            margin_bytes=1 << 28,
+            emergency=True,
+            backoffs=1,
+            deferrals=2,
+            chunks=3,
+            ooms_recovered=1,
+            rejected_too_long=4,
+        )
     )
     m.observe_request_finished(100, 3, "stop", RequestTiming(0.0, 2.0, 0.5, 1.0, [1.0, 1.5, 2.0]))
     return m
@@ -190,12 +191,19 @@ def test_controller_counters_follow_deltas() -> None:
     assert value(m, "headroom_memory_budget_bytes") == 6 << 30
     assert value(m, "headroom_controller_emergency") == 1
     assert value(m, "headroom_chunked_prefills_total") == 3
-    m.observe_controller({"backoffs": 5, "chunks": 3, "emergency": False})
+    m.observe_controller(ControllerStats(backoffs=5, chunks=3, ooms_recovered=1, rejected_too_long=4, emergency=False))
     assert value(m, "headroom_backoffs_total") == 5  # +4
     assert value(m, "headroom_chunked_prefills_total") == 3  # unchanged
     assert value(m, "headroom_controller_emergency") == 0
-    m.observe_controller({"backoffs": 2})  # the controller restarted: count from its new value
+    m.observe_controller(ControllerStats(backoffs=2))  # the controller restarted: count from its new value
     assert value(m, "headroom_backoffs_total") == 7
+
+
+def test_every_controller_series_reads_a_stats_field_and_an_unset_gauge_keeps_its_value() -> None:
+    assert set(CONTROLLER_GAUGES) | set(CONTROLLER_COUNTERS) <= set(ControllerStats.__slots__)
+    m = exercised()
+    m.observe_controller(ControllerStats(backoffs=1))  # a policy without a budget says None, not 0
+    assert value(m, "headroom_memory_budget_bytes") == 6 << 30 and value(m, "headroom_backoffs_total") == 1
 
 
 def test_request_finished() -> None:

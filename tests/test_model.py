@@ -10,16 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from controller.baselines import FixedPolicy
 from engine.backends.torch_backend import TorchBackend
+from engine.baselines.seed import FixedPolicy
+from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.core.kv_cache import BlockAllocator
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch, ScheduledSeq
 from engine.core.sequence import Sequence
 from engine.model.attention import allocate_kv_cache, build_attention_metadata, check_backend, paged_attention
 from engine.model.llama import ModelConfig, rope_inv_freq
 from tests.fixtures_llama import build_tiny_llama
+from tests.kernel_build import require_cpu_kernels
 
 H, KVH, HD, BS, NUM_BLOCKS = 4, 2, 16, 16, 64
 
@@ -80,6 +81,8 @@ CPU_KERNELS = [("cpu", 16), ("cpu", 64), ("cpu", 128), ("sdpa", HD)]
 
 @pytest.mark.parametrize(("backend", "hd"), CPU_KERNELS)
 def test_paged_attention_matches_dense_reference(backend: str, hd: int) -> None:
+    if backend == "cpu":
+        require_cpu_kernels()
     kv, seqs = ragged_case(torch.float32, hd=hd)
     for out, (prefix, new, table, q, k, v) in zip(run_batch(kv, seqs, backend), seqs, strict=True):
         torch.testing.assert_close(out.double(), dense_reference(q, k, v, new), atol=1e-5, rtol=1e-5)
@@ -92,6 +95,8 @@ def test_paged_attention_matches_dense_reference(backend: str, hd: int) -> None:
 def test_paged_attention_is_batch_invariant_bitwise(backend: str, hd: int) -> None:
     """bf16: a token's attention output is bitwise the same computed with the whole ragged batch, alone,
     and one token at a time as decodes (what chunked prefill and recompute after preemption rely on)."""
+    if backend == "cpu":
+        require_cpu_kernels()
     kv, seqs = ragged_case(torch.bfloat16, seed=1, hd=hd)
     batched = run_batch(kv, seqs, backend)
     for out, seq in zip(batched, seqs, strict=True):
@@ -172,27 +177,31 @@ def generate(
     alloc = BlockAllocator(backend.num_blocks, backend.block_size)
     seqs = [Sequence(str(i), p, params, max_tokens) for i, p in enumerate(prompts)]
     while any(len(s.output_ids) < s.max_tokens for s in seqs):
-        batch = ScheduledBatch()
+        batch = SchedulerOutput()
         for s in seqs:
             if len(s.output_ids) >= s.max_tokens:
                 continue
             n = s.num_tokens - s.num_computed
             n = min(n, chunk) if chunk else n
             s.block_table += alloc.allocate(alloc.blocks_for(s.num_computed + n) - len(s.block_table))
-            batch.add(ScheduledSeq(s, s.num_computed, n, not s.is_decode))
-        tokens = iter(backend.execute(batch))
+            batch.add(ScheduledItem.of(s, s.num_computed, n, not s.is_decode))
+        tokens = iter(backend.execute(batch).sampled)
+        by_id = {s.request_id: s for s in seqs}
         for item in batch.items:
-            item.seq.num_computed += item.num_tokens
+            seq = by_id[item.request_id]
+            seq.num_computed += item.num_tokens
             if item.sample:
-                item.seq.output_ids.append(next(tokens))
-                if len(item.seq.output_ids) == preempt_at:
-                    alloc.free(item.seq.block_table)
-                    item.seq.block_table, item.seq.num_computed = [], 0
+                seq.output_ids.append(next(tokens))
+                if len(seq.output_ids) == preempt_at:
+                    alloc.free(seq.block_table)
+                    seq.block_table, seq.num_computed = [], 0
     return [s.output_ids for s in seqs]
 
 
 @pytest.fixture(scope="module", params=["cpu", "sdpa"])  # the C++ kernels (the default), and plain torch
 def tiny_backend(tiny, request: pytest.FixtureRequest) -> TorchBackend:
+    if request.param == "cpu":
+        require_cpu_kernels()
     return TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=128, attention=request.param)
 
 
@@ -251,7 +260,7 @@ def test_backend_attributes(tiny_backend: TorchBackend, tiny) -> None:
     assert tiny_backend.max_model_len == tiny.config["max_position_embeddings"]
     assert tiny_backend.eos_token_ids == {2}
     assert tiny_backend.model_name == "hf"
-    assert tiny_backend.execute(ScheduledBatch()) == []
+    assert tiny_backend.execute(SchedulerOutput()).sampled == []
 
 
 @pytest.mark.skipif(
@@ -326,7 +335,7 @@ def test_preemption_by_swap_on_the_torch_backend_matches_alone(tiny) -> None:
     prefilled = {}
     engine.step_listeners.append(
         lambda rec, batch: [
-            prefilled.setdefault(it.seq.request_id, []).append(it.start + it.num_tokens)
+            prefilled.setdefault(it.request_id, []).append(it.start + it.num_tokens)
             for it in batch.items
             if it.is_prefill
         ]

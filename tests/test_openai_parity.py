@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from controller.baselines import FixedPolicy
+from engine.baselines.seed import FixedPolicy
+from engine.core.batch import ModelOutput
 from engine.core.llm_engine import LLMEngine
 from engine.core.sequence import Sequence, TokenLogprob
 from engine.serving.app import create_app
@@ -39,15 +40,13 @@ class LogprobBackend(FakeBackend):
     client can leave mid-way."""
 
     def execute(self, batch):  # noqa: ANN001, ANN201
-        tokens = super().execute(batch)
-        for item, token in zip([it for it in batch.items if it.sample], tokens, strict=True):
-            k = item.seq.params.logprobs
-            if k is not None:
-                lp = chosen_logprob(token)
-                top = [(token + i, lp - i) for i in range(k)]
-                item.seq.output_logprobs.append(TokenLogprob(lp, top))
+        out = super().execute(batch)
+        logprobs = []
+        for item, token in zip([it for it in batch.items if it.sample], out.sampled, strict=True):
+            k, lp = item.params.logprobs, chosen_logprob(token)
+            logprobs.append(None if k is None else TokenLogprob(lp, [(token + i, lp - i) for i in range(k)]))
         time.sleep(0.005)
-        return tokens
+        return ModelOutput(out.sampled, logprobs)
 
 
 @dataclass
@@ -58,13 +57,12 @@ class Served:
     finished: list[Sequence] = field(default_factory=list)
 
     def seqs(self) -> dict[str, Sequence]:
-        """Every sequence the backend computed, by request id."""
-        return {item.seq.request_id: item.seq for batch in self.backend.steps for item in batch.items}
+        """Every finished sequence, by request id (finished before its answer is sent)."""
+        return {s.request_id: s for s in self.finished}
 
     def wait_idle(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        core = self.engine.engine
-        while self.engine.num_running() or self.engine.num_waiting() or core.allocator.num_used:
+        while self.engine.num_running() or self.engine.num_waiting() or self.engine.snapshot.kv_blocks_used:
             assert time.monotonic() < deadline, "the engine did not go idle"
             time.sleep(0.02)
 
@@ -99,11 +97,17 @@ def sse(r: httpx.Response) -> list[dict]:
 # ---- model names ---------------------------------------------------------------------------------------
 
 
-def test_models_lists_every_served_name_and_answers_with_the_first(http: httpx.Client) -> None:
+@pytest.mark.parametrize("path", [COMPLETION, CHAT])
+def test_an_answer_carries_the_served_name_the_client_asked_for(http: httpx.Client, path: str) -> None:
+    """As vLLM: any of the served names, echoed in the body and in every streamed chunk."""
     ids = [card["id"] for card in http.get("/v1/models").json()["data"]]
     assert ids == ["fake", "default"]
-    r = http.post(COMPLETION, json={"model": "default", "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 200 and r.json()["model"] == "fake"
+    body = {"model": "default", "prompt": "hi", "messages": USER, "max_tokens": 2}
+    r = http.post(path, json=body)
+    assert r.status_code == 200 and r.json()["model"] == "default"
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert {e["model"] for e in sse(r)} == {"default"}
+    assert http.post(path, json={**body, "model": None}).json()["model"] == "fake"  # none asked: the first
 
 
 @pytest.mark.parametrize("path", [COMPLETION, CHAT])
@@ -264,7 +268,7 @@ def test_developer_is_rendered_as_system_and_text_parts_are_joined(served: Serve
     assert http.post(CHAT, json={"messages": messages, "max_tokens": 1}).status_code == 200
     (seq,) = [s for rid, s in served.seqs().items() if rid not in before]
     expected = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    assert seq.prompt_ids == tok.encode(tok.apply_chat_template(expected))
+    assert list(seq.prompt_ids) == tok.encode(tok.apply_chat_template(expected))
 
 
 def test_tool_messages_reach_the_template(http: httpx.Client) -> None:
@@ -399,7 +403,7 @@ def test_twin_serves_its_model_and_the_model_flag_and_checks_its_vocabulary(twin
     ids = [card["id"] for card in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
     assert ids == ["meta-llama/Llama-3.1-8B-Instruct", "default"]
     ok = httpx.post(url + COMPLETION, json={"model": "default", "prompt": [128255], "max_tokens": 1}, timeout=60)
-    assert ok.status_code == 200 and ok.json()["model"] == ids[0]
+    assert ok.status_code == 200 and ok.json()["model"] == "default"
     for prompt in ([128256], [10**9], [[1], [128256]]):
         r = httpx.post(url + COMPLETION, json={"prompt": prompt, "max_tokens": 1}, timeout=60)
         assert_error(r, 400, "prompt", "invalid_token_id")
@@ -410,5 +414,5 @@ def test_served_model_names_replace_the_defaults(twin_server) -> None:  # noqa: 
     ids = [card["id"] for card in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
     assert ids == ["first", "second"]
     r = httpx.post(url + CHAT, json={"model": "second", "messages": USER, "max_tokens": 1}, timeout=60)
-    assert r.status_code == 200 and r.json()["model"] == "first"
+    assert r.status_code == 200 and r.json()["model"] == "second"
     assert_error(httpx.post(url + CHAT, json={"model": "default", "messages": USER}, timeout=60), 404, "model")

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from controller.baselines import FixedPolicy
+from engine.baselines.seed import FixedPolicy
 from engine.core.kv_cache import BlockAllocator
 from engine.core.llm_engine import LLMEngine
 from engine.core.prefix_cache import ROOT_HASH, hash_block
@@ -190,7 +190,7 @@ def mixed_traffic(enable_prefix_caching: bool, seed: int) -> LLMEngine:
             done = [s for s in engine.seqs if s.finish_reason == "length"]
             if done and rng.random() < 0.4:  # the next turn of an earlier conversation
                 prev = rng.choice(done)
-                prompt = prev.prompt_ids + prev.output_ids + prompt[-2:]
+                prompt = [*prev.prompt_ids, *prev.output_ids, *prompt[-2:]]
             engine.seqs.append(engine.add_request(f"r{step}", prompt[:60], params(rng.randrange(1, 24))))
         if step % 17 == 5 and engine.scheduler.running:
             engine.abort(rng.choice(engine.scheduler.running).request_id)

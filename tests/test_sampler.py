@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import Generator
 
-from engine.core.sampler import Sampler, apply_penalties, invert_cdf, mask_tokens, seed_for
+from engine.core.batch import ScheduledItem
+from engine.core.sampler import Sampler, TokenCounts, apply_penalties, invert_cdf, mask_tokens, seed_for
 from engine.core.sampling_params import ParamError, SamplingParams
 from engine.core.sequence import Sequence as Request
 
@@ -147,10 +148,18 @@ def penalized_reference(x: torch.Tensor, prompt: list[int], output: list[int], p
     return x
 
 
-def request(prompt: list[int], params: SamplingParams, output: list[int] = ()) -> Request:
-    seq = Request("r", list(prompt), params, max_tokens=1000)
+def item(prompt: list[int], params: SamplingParams, output: list[int] = (), rid: str = "r") -> ScheduledItem:
+    """The step item that samples the token after `prompt` + `output`."""
+    seq = Request(rid, list(prompt), params, max_tokens=1000)
     seq.output_ids.extend(output)
-    return seq
+    return ScheduledItem.of(seq, 0, seq.num_tokens, True)
+
+
+def counts(prompt: list[int], output: list[int]) -> TokenCounts:
+    c = TokenCounts(prompt, V, torch.device("cpu"))
+    for t in output:
+        c.add(t)
+    return c
 
 
 PENALIZED = [
@@ -166,40 +175,41 @@ def test_penalties_match_the_reference_and_leave_other_rows_alone() -> None:
     x = logits(len(PENALIZED) + 1, seed=4)
     prompts = [torch.randint(0, V, (9,), generator=rng).tolist() for _ in PENALIZED]
     outputs = [torch.randint(0, V, (15,), generator=rng).tolist() for _ in PENALIZED]
-    seqs = [request(pr, p, out) for pr, p, out in zip(prompts, PENALIZED, outputs, strict=True)]
-    seqs.append(request([1, 2, 3], SamplingParams(), [4, 4, 5]))
     y = x.clone()
-    apply_penalties(y, seqs)
+    rows = [(i, p, counts(pr, out)) for i, (pr, p, out) in enumerate(zip(prompts, PENALIZED, outputs, strict=True))]
+    apply_penalties(y, rows)
     for i, (pr, p, out) in enumerate(zip(prompts, PENALIZED, outputs, strict=True)):
         torch.testing.assert_close(y[i], penalized_reference(x[i], pr, out, p))
     assert torch.equal(y[-1], x[-1])
 
 
-def test_penalty_counts_are_kept_incrementally() -> None:
-    """Counts updated one sampled token per step equal counts made from scratch; each update adds only the
-    new tokens."""
-    rng = Generator().manual_seed(5)
-    p = SamplingParams(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.3)
-    kept = request([3, 3, 8], p)
-    for _ in range(40):
-        y = logits(1, seed=len(kept.output_ids))
-        fresh = request(kept.prompt_ids, p, kept.output_ids)
-        expected = y.clone()
-        apply_penalties(expected, [fresh])
-        apply_penalties(y, [kept])
-        assert torch.equal(y, expected)
-        kept.output_ids.append(int(torch.randint(0, V, (), generator=rng)))
-    assert kept.token_counts.num_counted == 39
-    assert kept.token_counts.output.sum() == 39
+def test_penalty_counts_follow_the_sampled_tokens_until_the_request_is_dropped() -> None:
+    """The sampler adds each token it samples for a request to that request's counts (kept by request id):
+    step after step the penalized logits equal the reference over the whole output so far. Dropped (the
+    request finished), a request id starts again from its prompt."""
+    p = SamplingParams(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.3, seed=5)
+    sampler, prompt, output = Sampler(), [3, 3, 8], []
+    for step in range(40):
+        x = logits(1, seed=step)
+        y = x.clone()
+        output += sampler.sample_items(y, [item(prompt, p, output)], set()).sampled
+        torch.testing.assert_close(y[0], penalized_reference(x[0], prompt, output[:-1], p))
+    sampler.drop(["r"])
+    x = logits(1, seed=99)
+    y = x.clone()
+    sampler.sample_items(y, [item(prompt, p, output)], set())
+    torch.testing.assert_close(y[0], penalized_reference(x[0], prompt, [], p))
 
 
 def test_greedy_follows_the_penalized_logits() -> None:
     x = torch.zeros(1, V)
     x[0, 7], x[0, 8] = 5.0, 4.0
-    seq = request([7], SamplingParams(temperature=0, repetition_penalty=2.0))
-    assert Sampler().sample_sequences(x.clone(), [seq], set())[0] == [8]
-    seq = request([1], SamplingParams(temperature=0, presence_penalty=2.0), [7])
-    assert Sampler().sample_sequences(x.clone(), [seq], set())[0] == [8]
+    assert Sampler().sample_items(
+        x.clone(), [item([7], SamplingParams(temperature=0, repetition_penalty=2.0))], set()
+    ).sampled == [8]
+    sampler, p = Sampler(), SamplingParams(temperature=0, presence_penalty=2.0)
+    assert sampler.sample_items(x.clone(), [item([1], p)], set()).sampled == [7]
+    assert sampler.sample_items(x.clone(), [item([1], p, [7])], set()).sampled == [8]  # 7 is in its output now
 
 
 def test_logprobs_are_raw_and_the_top_k_is_best_first() -> None:
@@ -207,13 +217,14 @@ def test_logprobs_are_raw_and_the_top_k_is_best_first() -> None:
     min_tokens masking do not change them. Rows that did not ask get None."""
     x = logits(3, seed=6)
     raw = torch.log_softmax(x, dim=-1)
-    seqs = [
-        request([1, 2], SamplingParams(temperature=0.3, seed=1, repetition_penalty=1.5, logprobs=5), [3]),
-        request([1], SamplingParams(temperature=0)),
-        request([4], SamplingParams(temperature=0, logprobs=0, min_tokens=2)),
+    items = [
+        item([1, 2], SamplingParams(temperature=0.3, seed=1, repetition_penalty=1.5, logprobs=5), [3], rid="a"),
+        item([1], SamplingParams(temperature=0), rid="b"),
+        item([4], SamplingParams(temperature=0, logprobs=0, min_tokens=2), rid="c"),
     ]
     top_token = int(x[2].argmax())
-    tokens, logprobs = Sampler().sample_sequences(x.clone(), seqs, eos_token_ids={top_token})
+    out = Sampler().sample_items(x.clone(), items, eos_token_ids={top_token})
+    tokens, logprobs = out.sampled, out.logprobs
     assert logprobs[1] is None and tokens[2] != top_token  # EOS masked under min_tokens
     for i in (0, 2):
         assert logprobs[i].logprob == pytest.approx(raw[i, tokens[i]].item(), abs=1e-6)
@@ -221,6 +232,7 @@ def test_logprobs_are_raw_and_the_top_k_is_best_first() -> None:
     top = logprobs[0].top
     assert [t for t, _ in top] == raw[0].topk(5).indices.tolist()
     assert [v for _, v in top] == pytest.approx(raw[0].topk(5).values.tolist(), abs=1e-6)
+    assert Sampler().sample_items(x.clone(), items[1:2], set()).logprobs == []  # none asked
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from controller.baselines import FixedPolicy, SeedStaticPolicy, VllmPolicy
+from controller.limits import Limits
+from controller.policy import StaticPolicy
+from controller.step_budget import NO_CUTS, MemoryCuts, StepBudget
+from engine.baselines.seed import FixedPolicy, SeedStaticPolicy
+from engine.baselines.vllm import VllmPolicy
+from engine.core.kv_cache import BlockAllocator
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
 from tests.fake_backend import FakeBackend
 
 PROMPTS = [[(i * 13 + j) % 50 + 2 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 64, 5, 33, 21])]
@@ -25,6 +32,11 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 12) -> li
 
 def vllm_like(**caps) -> FixedPolicy:
     return FixedPolicy(kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False, max_num_seqs=256, **caps)
+
+
+def production(**limits) -> StaticPolicy:
+    """The production scheduler's rules under static limits (and the production engine's OOM recovery)."""
+    return StaticPolicy(Limits(max_num_seqs=256, **limits))
 
 
 def alone(prompts: list[list[int]]) -> list[list[int]]:
@@ -71,14 +83,14 @@ def test_seed_static_never_mixes_and_defers_long_prompts():
     run(engine, [[5] * 4096, [6] * 4096, [7] * 10], max_tokens=4)
     for b in backend.steps:
         assert not (b.shape.prefill_seqs and b.shape.decode_seqs)
-        long = [it for it in b.items if it.seq.prompt_len >= 4096]
+        long = [it for it in b.items if len(it.prompt_ids) >= 4096]
         assert len(long) <= 1
     # The second long prompt waits until the first one's decodes are done.
     first_long_decode = next(
-        i for i, b in enumerate(backend.steps) if any(not it.is_prefill and it.seq.request_id == "0" for it in b.items)
+        i for i, b in enumerate(backend.steps) if any(not it.is_prefill and it.request_id == "0" for it in b.items)
     )
     second_prefill = next(
-        i for i, b in enumerate(backend.steps) if any(it.is_prefill and it.seq.request_id == "1" for it in b.items)
+        i for i, b in enumerate(backend.steps) if any(it.is_prefill and it.request_id == "1" for it in b.items)
     )
     assert second_prefill > first_long_decode
 
@@ -140,14 +152,10 @@ def test_abort_frees_blocks():
     assert engine.allocator.num_used == 0 and not engine.has_unfinished()
 
 
-class RecoveringPolicy(FixedPolicy):
-    recovers_oom = True
-
-
 def test_injected_ooms_are_recovered_without_losing_or_duplicating_work():
     from engine.core.faults import OOMInjector
 
-    policy = RecoveringPolicy(kv_reserve_ratio=0.0, allow_mixed=True, prefill_first=False, max_num_seqs=256)
+    policy = production()
     backend = OOMInjector(FakeBackend(), rate=0.2, seed=1)
     engine = LLMEngine(backend, policy)
     finished = []
@@ -189,7 +197,7 @@ def test_logprobs_are_appended_once_per_sampled_token_through_ooms():
     from engine.core.faults import OOMInjector
 
     backend = OOMInjector(TwinBackend(num_blocks=64), rate=0.3, seed=2)
-    engine = LLMEngine(backend, RecoveringPolicy(kv_reserve_ratio=0.0, allow_mixed=True, max_num_seqs=256))
+    engine = LLMEngine(backend, production())
     seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=9, logprobs=2)) for i, p in enumerate(PROMPTS)]
     seqs.append(engine.add_request("off", PROMPTS[0], SamplingParams(max_tokens=9)))
     while engine.has_unfinished():
@@ -228,13 +236,10 @@ def test_preemption_by_swap_is_invisible_in_the_output_and_never_recomputes(num_
     assert run(engine, PROMPTS) == alone(PROMPTS)
     assert engine.scheduler.num_preemptions > 0 and backend.swapped_blocks > 0
     recomputed = [
-        it
-        for b in backend.steps
-        for it in b.items
-        if it.is_prefill and it.start + it.num_tokens > len(it.seq.prompt_ids)
+        it for b in backend.steps for it in b.items if it.is_prefill and it.start + it.num_tokens > len(it.prompt_ids)
     ]
     assert recomputed == []
-    assert engine.allocator.num_used == 0
+    assert engine.allocator.num_used == 0 and backend.host == {}
 
 
 def test_a_backend_that_cannot_swap_preempts_by_recompute():
@@ -244,9 +249,7 @@ def test_a_backend_that_cannot_swap_preempts_by_recompute():
     assert engine.scheduler.num_preemptions > 0 and backend.swapped_blocks == 0
 
 
-@pytest.mark.parametrize(
-    "policy,victim", [(VllmPolicy(), "newest"), (vllm_like(kv_reserve_extra_tokens=0), "nearly-done")]
-)
+@pytest.mark.parametrize("policy,victim", [(VllmPolicy(), "newest"), (production(), "nearly-done")])
 def test_the_preemption_victim_follows_the_policy(policy, victim):
     """vLLM v1 preempts the newest running request (`running.pop()`); our default evicts the one closest to
     its max_tokens."""
@@ -258,4 +261,87 @@ def test_the_preemption_victim_follows_the_policy(policy, victim):
     engine.step_listeners.append(lambda record, batch: steps.append(batch))
     engine.step()  # three prefills
     engine.step()  # "oldest" needs a third block: a victim goes
-    assert [s.request_id for s in steps[1].preempted] == [victim]
+    assert steps[1].preempted == [victim]
+
+
+def test_production_scheduler_and_limits_carry_no_baseline_rules():
+    """The seed's and vLLM's rules live in their baseline's scheduler, not in the production engine."""
+    assert type(LLMEngine(FakeBackend(), production()).scheduler) is Scheduler
+    assert type(LLMEngine(FakeBackend(), SeedStaticPolicy()).scheduler) is not Scheduler
+    assert type(LLMEngine(FakeBackend(), VllmPolicy()).scheduler) is not Scheduler
+    knobs = {"prefill_first", "allow_mixed", "long_prompt_threshold", "max_long_per_batch"}
+    assert knobs.isdisjoint(Limits().as_dict()) and "preempt_newest" not in Limits().as_dict()
+
+
+def test_a_production_engine_recovers_from_an_oom_where_a_baseline_stops():
+    from engine.core.faults import OOMInjector
+
+    for policy, healthy in ((production(), True), (vllm_like(), False)):
+        engine = LLMEngine(OOMInjector(FakeBackend(), rate=0.5, seed=3), policy)
+        run(engine, PROMPTS[:3])
+        assert engine.ooms > 0 and engine.healthy is healthy
+
+
+class CuttingPolicy(StaticPolicy):
+    """A budget whose memory admits chunks of at most `cap` tokens and `decodes` decodes a step."""
+
+    def __init__(self, cap: int, decodes: int, min_chunk: int = 1) -> None:
+        super().__init__(Limits(max_num_seqs=256))
+        self.calls = 0
+        self.seen: list[MemoryCuts] = []
+
+        def fit_chunk(shape, context, chunk):
+            self.calls += 1
+            return min(chunk, max(0, cap - shape.prefill_tokens))
+
+        def fit_decodes(shape, contexts):
+            self.calls += 1
+            return min(len(contexts), decodes)
+
+        self._budget = StepBudget(self._limits, fit_chunk, fit_decodes, min_chunk)
+
+    def observe(self, record, cuts=NO_CUTS):
+        self.seen.append(cuts)
+
+
+def test_what_memory_cut_comes_through_the_scheduler_output_to_observe():
+    backend = FakeBackend()
+    policy = CuttingPolicy(cap=6, decodes=2)
+    engine = LLMEngine(backend, policy)
+    assert run(engine, PROMPTS) == alone(PROMPTS)
+    cuts = [b.cuts for b in backend.steps]
+    assert cuts == policy.seen  # observe() read each step's output, nothing else
+    assert all(b.shape.prefill_tokens <= 6 and b.shape.decode_seqs <= 2 for b in backend.steps)
+    assert any(c.chunks for c in cuts) and any(c.deferred_prefills for c in cuts)
+    assert any(c.deferred_decodes for c in cuts)
+    assert all(c.cut == bool(c.chunks or c.deferred) for c in cuts)
+
+
+def test_liveness_an_empty_step_always_makes_progress():
+    """Memory admitting nothing would stall the engine: an empty step still takes min_chunk tokens of a
+    prompt (counted as a chunk memory cut) or one decode (not counted)."""
+    backend = FakeBackend()
+    engine = LLMEngine(backend, CuttingPolicy(cap=0, decodes=0, min_chunk=3))
+    assert run(engine, PROMPTS[:2], max_tokens=3) == [out[:3] for out in alone(PROMPTS[:2])]
+    for b in backend.steps:
+        assert b.items and b.shape.prefill_tokens <= 3 and b.shape.decode_seqs <= 1
+        assert b.cuts.chunks == b.items[0].is_prefill  # the liveness chunk; a decode's is not counted
+
+
+def test_finished_requests_reach_the_backend_once():
+    backend = FakeBackend()
+    engine = LLMEngine(backend, production())
+    run(engine, PROMPTS[:3], max_tokens=4)
+    engine.add_request("late", PROMPTS[0], SamplingParams(max_tokens=2))
+    engine.step()
+    assert sorted(backend.dropped) == ["0", "1", "2"]
+
+
+def test_allocate_slots_takes_what_a_sequence_needs_or_changes_nothing():
+    alloc = BlockAllocator(4, 4)
+    seq = Sequence("a", list(range(10)), SamplingParams(), 5)
+    assert alloc.allocate_slots(seq, 9) == [0, 1, 2] and seq.block_table == [0, 1, 2]
+    seq.num_computed = 9
+    assert alloc.allocate_slots(seq, 3) == [] and seq.block_table == [0, 1, 2]  # 12 tokens: 3 blocks
+    assert alloc.allocate_slots(seq, 8) is None and seq.block_table == [0, 1, 2] and alloc.num_free == 1
+    assert alloc.allocate_slots(seq, 7) == [3] and alloc.num_free == 0

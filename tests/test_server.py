@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from engine.serving.standin import StandInTokenizer
-from engine.serving.text import TextStream
 from telemetry.phases import PHASES
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -79,7 +78,7 @@ def test_n_samples_use_seed_plus_j_and_the_model_flag_is_a_served_name(client, m
     """vLLM's parallel sampling: with `seed`, sample j of n samples as a lone request with seed + j does."""
     kw = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     both = client.completions.create(model="default", n=2, seed=7, **kw)
-    assert both.model == model_name and [c.index for c in both.choices] == [0, 1]
+    assert both.model == "default" and [c.index for c in both.choices] == [0, 1]  # the name asked for
     alone = [client.completions.create(model=model_name, seed=s, **kw).choices[0].text for s in (7, 8)]
     assert [c.text for c in both.choices] == alone and alone[0] != alone[1]
     assert both.usage.completion_tokens == 12
@@ -219,30 +218,6 @@ def test_metrics_and_controller_endpoints(server) -> None:  # noqa: ANN001
         key = "headroom_frac"
         ok = httpx.patch(server.url + "/controller/config", json={key: state["config"][key]}, timeout=30)
         assert ok.status_code == 200, ok.text
-
-
-# ---- text streaming (no server) --------------------------------------------------------------------
-
-
-class CharTokenizer:
-    """One token per character (ids are code points), so stop strings straddle tokens arbitrarily."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(map(chr, ids))
-
-
-@pytest.mark.parametrize("stop", ["lo w", "o", "xyz", "world!"])
-def test_text_stream_never_sends_text_a_stop_string_cuts(stop: str) -> None:
-    full = "hello world! bye"
-    cut = full.find(stop)
-    engine_text = full if cut < 0 else full[:cut]
-    stream = TextStream(CharTokenizer(), [stop])
-    sent = ""
-    for ch in full[: cut + len(stop)] if cut >= 0 else full:
-        sent += stream.add([ord(ch)])
-        assert engine_text.startswith(sent), (sent, engine_text)
-    sent += stream.finish(cut if cut >= 0 else None)
-    assert sent == engine_text == stream.final
 
 
 def test_headroom_serve_is_registered_with_every_engine_flag() -> None:

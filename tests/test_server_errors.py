@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from controller.baselines import FixedPolicy
+from engine.baselines.seed import FixedPolicy
 from engine.core.llm_engine import LLMEngine
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
@@ -155,7 +155,7 @@ class FailingBackend(FakeBackend):
         self.failure = failure
 
     def execute(self, batch):  # noqa: ANN001, ANN201
-        if any(item.seq.prompt_ids[0] == POISON for item in batch.items):
+        if any(item.prompt_ids[0] == POISON for item in batch.items):
             raise self.failure("boom")
         time.sleep(0.02)  # slow enough that a second request arrives while the first streams
         return super().execute(batch)

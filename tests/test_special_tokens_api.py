@@ -13,7 +13,7 @@ import httpx
 import pytest
 from tokenizers import processors
 
-from controller.baselines import FixedPolicy
+from engine.baselines.seed import FixedPolicy
 from engine.core.llm_engine import LLMEngine
 from engine.model.loaders.hf import read_tokenizer
 from engine.model.tokenizer import Tokenizer
@@ -48,7 +48,7 @@ class Served:
         self.url, self.backend, self.tokenizer = url, backend, tokenizer
 
     def prompt_of_last_request(self) -> list[int]:
-        return self.backend.steps[-1].items[0].seq.prompt_ids
+        return list(self.backend.steps[-1].items[0].prompt_ids)
 
 
 @pytest.fixture(scope="module")

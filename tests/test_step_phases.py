@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from controller.baselines import FixedPolicy
+from engine.baselines.seed import FixedPolicy
+from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch
 from telemetry.phases import PHASES, PhaseTimer
 from tests.fake_backend import FakeBackend
 
@@ -20,7 +20,7 @@ class TimedBackend(FakeBackend):
 
     sampler_seconds = 0.0
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         time.sleep(FORWARD_S)
         out = super().execute(batch)
         time.sleep(SAMPLER_S)

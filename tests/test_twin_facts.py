@@ -12,8 +12,8 @@ import pytest
 
 from bench.loadgen import RunResult, run_closed_loop
 from bench.seed_matrix import SEED_MATRIX, num_requests
-from controller.baselines import FixedPolicy, SeedStaticPolicy
 from engine.backends.twin.backend import TwinBackend
+from engine.baselines.seed import FixedPolicy, SeedStaticPolicy
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 
@@ -72,9 +72,7 @@ def test_f6_seed_static_passes_every_point(con, inp, out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("con,inp,out", SEED_MATRIX, ids=lambda v: str(v))
-def test_f6_seed_static_passes_every_full_point(con, inp, out, request):
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("the full matrix (~20 s): run with -m slow")
+def test_f6_seed_static_passes_every_full_point(con, inp, out):
     assert passes(point(SeedStaticPolicy(), con, inp, out, num_requests((con, inp, out))))
 
 
@@ -106,7 +104,7 @@ def test_seed_static_decodes_one_long_request_per_step_so_con_4_at_4096_is_seria
 
     def count_long_decodes(record, batch) -> None:
         nonlocal longest_decode_batch
-        longs = sum(not it.is_prefill and it.seq.prompt_len >= 4096 for it in batch.items)
+        longs = sum(not it.is_prefill and len(it.prompt_ids) >= 4096 for it in batch.items)
         longest_decode_batch = max(longest_decode_batch, longs)
 
     engine.step_listeners.append(count_long_decodes)

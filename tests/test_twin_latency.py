@@ -8,10 +8,10 @@ import pytest
 
 from bench.loadgen import TraceRequest, run_closed_loop, run_trace
 from bench.report import metrics
-from controller.baselines import FixedPolicy, SeedStaticPolicy
 from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.latency import US, LatencyModel, StepWork, fit_overheads
 from engine.backends.twin.profile import PROFILE_DIR, load_profile
+from engine.baselines.seed import FixedPolicy, SeedStaticPolicy
 from engine.core.llm_engine import LLMEngine
 
 PROFILE = load_profile()

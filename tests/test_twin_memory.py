@@ -18,8 +18,8 @@ from engine.backends.twin.memory import (
     segment_size,
 )
 from engine.backends.twin.profile import load_profile
+from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch, ScheduledSeq
 from engine.core.sequence import Sequence
 
 PROFILE = load_profile()
@@ -76,17 +76,17 @@ def test_f1_idle_device_memory(n):
     assert b.memory.idle_nvml_used == b.probe.sample().device_used
 
 
-def _prefill(prompt_len: int, max_tokens: int = 8, rid: str = "a") -> ScheduledBatch:
+def _prefill(prompt_len: int, max_tokens: int = 8, rid: str = "a") -> SchedulerOutput:
     seq = Sequence(rid, [7] * prompt_len, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
-    batch = ScheduledBatch()
-    batch.add(ScheduledSeq(seq, 0, prompt_len, is_prefill=True))
+    batch = SchedulerOutput()
+    batch.add(ScheduledItem.of(seq, 0, prompt_len, is_prefill=True))
     return batch
 
 
 def test_probe_reports_what_cuda_and_nvml_would():
     b = TwinBackend(num_blocks=64)
     with b.probe.step(_prefill(4096).shape):
-        (tok,) = b.execute(_prefill(4096))
+        (tok,) = b.execute(_prefill(4096)).sampled
     s = b.probe.sample()
     assert tok not in b.eos_token_ids
     assert s.capacity == 25_250_627_584 and s.device_total == 25_757_220_864

@@ -12,10 +12,10 @@ import pytest
 from bench.loadgen import TraceRequest, run_trace
 from bench.report import metrics
 from bench.synthetic import EPOCH, sharegpt_like_trace
-from controller.baselines import VllmPolicy
 from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.backends.twin.profile import load_profile
+from engine.baselines.vllm import VllmPolicy
 from engine.core.llm_engine import LLMEngine
 
 VLLM = "rtx4090-llama3.1-8b-vllm"
@@ -70,8 +70,8 @@ def test_vllm_policy_schedules_like_vllm_v1():
         assert len(partial) <= 1
         decodes = [it for it in batch.items if not it.is_prefill]
         if len(decodes) < len(batch.items):  # a prompt ran: no decode-ready sequence was left out for it
-            in_step = {id(it.seq) for it in batch.items}
-            assert not [s for s in engine.scheduler.running if id(s) not in in_step and s.is_decode]
+            in_step = {it.request_id for it in batch.items}
+            assert not [s for s in engine.scheduler.running if s.request_id not in in_step and s.is_decode]
             seen["mixed"] += bool(decodes)
 
     engine.step_listeners.append(check)

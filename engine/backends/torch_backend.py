@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.core.batch import EMPTY, ModelOutput, ScheduledItem, SchedulerOutput
 from engine.core.sampler import Sampler
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch, ScheduledSeq
 from engine.core.sequence import Sequence
 from engine.model import cpu_kernels
 from engine.model.attention import (
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
 WARM_UP_TOKENS = 128  # the warm-up prefill (TorchBackend.warm_up): a short prompt's size
 WARM_UP_PARAMS = SamplingParams(temperature=0, max_tokens=1)
+
+logger = logging.getLogger("headroom.engine")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -75,67 +78,78 @@ class TorchBackend:
         enforce_eager: bool = False,
     ) -> None:
         """model: a spec for engine/model/loaders (`default`, a GGUF file, an HF directory), or a model already
-        loaded in this dtype on this device (engine/model/loaders/random_model.py). dtype: `auto` (default) is
-        bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32 (engine/model/dtype_choice.py);
-        `dtype_reason` says why. Batch invariance (a token's logits do not depend on what else is in the
-        batch) on CPU: attention keeps it on every path; bf16 linears keep it on Headroom's kernel (AVX512-BF16)
-        by construction, elsewhere with their inputs padded to `linear_min_rows` rows, as
-        measured by engine/model/batch_invariance.py's probe (oneDNN does not promise it); float32 linears (MKL)
-        round a row differently by batch size, so greedy outputs can differ between batched and alone. On
-        CUDA nothing is promised.
-        `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe
-        and the default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the
-        weights (CUDA, or CPU with `device_memory`), else enough for 32 sequences of 2048 tokens.
-        `probe` None: telemetry's probe for the device. `seed` seeds unseeded requests' draws.
-        `attention` and `block_size` None: engine/model/kernel_choice.py (on the CPU, the C++ kernels of
-        engine/model/cpu_kernels.py, which then run the norms, RoPE, SiLU and, in bf16 on AVX512-BF16,
-        the linears too; flash-attn with 256-token blocks where it runs; else sdpa, plain torch, with 16);
-        `kernel_reason` says why. Decode-only steps replay CUDA graphs (engine/model/cuda_graphs.py) on CUDA with
-        the flash kernel, unless `enforce_eager`. `model_cache`: load through the warm-start cache
-        (engine/model/loaders/cache.py)."""
+        loaded in this dtype on this device (engine/model/loaders/random_model.py). dtype `auto`:
+        engine/model/dtype_choice.py; `dtype_reason` says why. `attention` and `block_size` None:
+        engine/model/kernel_choice.py (on the CPU the C++ kernels, `_use_kernels`; flash-attn with 256-token
+        blocks where it runs; else sdpa, plain torch, with 16); `kernel_reason` says why.
+        `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe and the
+        default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the weights (CUDA,
+        or CPU with `device_memory`), else CPU_KV_TOKENS. `probe` None: telemetry's probe for the device.
+        `seed` seeds unseeded requests' draws. Decode-only steps replay CUDA graphs (engine/model/cuda_graphs.py)
+        on CUDA with the flash kernel, unless `enforce_eager`. `model_cache`: load through the warm-start
+        cache (engine/model/loaders/cache.py).
+
+        Batch invariance on CPU (a token's logits do not depend on what else is in the batch): attention keeps
+        it on every path; bf16 linears keep it on Headroom's kernel by construction, elsewhere with their
+        inputs padded to `linear_min_rows` rows (engine/model/batch_invariance.py probes it: oneDNN does not
+        promise it); float32 linears (MKL) round a row differently by batch size. On CUDA nothing is promised."""
         self.device = resolve_device(device)
         choice = choose_dtype(dtype, self.device)
         self.dtype, self.dtype_reason = choice.dtype, choice.reason
         kernel = choose_kernel(attention, block_size, self.device, self.dtype)
-        self.attention, self.block_size, self.kernel_reason = kernel.attention, kernel.block_size, kernel.reason
+        self.block_size = kernel.block_size
         capacity = parse_bytes(device_memory) if device_memory is not None else None
         cache = ModelCache() if model_cache else None
         loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache)
-        self.model = loaded.model
-        self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
-        if self.attention == "cpu" and (why := head_dim_unsupported(loaded.config.head_dim)):
-            if attention == "cpu":
-                raise ValueError(f"attention backend 'cpu' cannot run this model: {why}")
-            self.attention, self.kernel_reason = "sdpa", f"auto: sdpa ({why})"  # same block size
-        linear_blocker = "the C++ kernels are off" if self.attention != "cpu" else linear_unusable_reason(self.dtype)
-        if self.attention == "cpu":  # the C++ kernels built: the elementwise ops run on them too
-            self.model.ops = CpuKernelOps()
-        if self.device.type == "cpu":
-            linears = "the bf16 kernel" if linear_blocker is None else f"torch ({linear_blocker})"
-            self.kernel_reason += f"; linears: {linears}"
-        self.model.pack_linears(cpu_kernel=linear_blocker is None)
-        self.config = loaded.config
+        self.model, self.config, self.model_name = loaded.model, loaded.config, loaded.name
         self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.name
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
+        self._use_kernels(kernel, attention)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
         self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, self.block_size, self.dtype, self.device)
         # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
         # the memory the pool gave back (and count against a cgroup or --device-memory limit).
         self.can_swap = self.device.type == "cuda"
         self._context_cap = min(self.config.max_position_embeddings, max_model_len or 1 << 62)
-        if probe is None:
-            device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
-            idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
-            probe = make_probe(device_name, capacity, idle_bytes=idle)
-        self.probe = probe
+        self.probe = probe if probe is not None else self._default_probe(capacity)
         self.sampler = Sampler(seed, cpu_kernels.draw_plain) if self.attention == "cpu" else Sampler(seed)
+        self._kv_host: dict[str, Any] = {}  # swapped-out requests' KV in host memory, by request id
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
         self.block_bytes = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
         graphs_run = self.device.type == "cuda" and self.attention == "flash" and not enforce_eager
         self.graphs = (
             self.make_decode_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle())) if graphs_run else None
         )
+
+    def _use_kernels(self, kernel: KernelChoice, asked: str) -> None:
+        """Run the model's attention and elementwise ops on the C++ kernels where `kernel` chose them and the
+        model's head size suits them, and its linears too in bf16 where the CPU has AVX512-BF16
+        (engine/model/cpu_kernels.py). A CPU model left on plain torch logs a warning that says why: it runs
+        slower, and a build that failed is a defect to fix, not a property of the machine."""
+        self.attention, self.kernel_reason = kernel.attention, kernel.reason
+        if self.attention == "cpu" and (why := head_dim_unsupported(self.config.head_dim)):
+            if asked == "cpu":
+                raise ValueError(f"attention backend 'cpu' cannot run this model: {why}")
+            self.attention, self.kernel_reason = "sdpa", f"auto: sdpa ({why})"  # same block size
+        linear_blocker = "the C++ kernels are off" if self.attention != "cpu" else linear_unusable_reason(self.dtype)
+        if self.attention == "cpu":
+            self.model.ops = CpuKernelOps()
+        if self.device.type == "cpu":
+            if self.attention != "cpu":
+                why = "--attention sdpa" if asked == "sdpa" else self.kernel_reason
+                logger.warning("CPU kernels off, the model runs in plain torch (slower): %s", why)
+            elif linear_blocker is not None and self.dtype == torch.bfloat16:
+                logger.warning("bf16 linears on torch, not the C++ kernel: %s", linear_blocker)
+            linears = "the bf16 kernel" if linear_blocker is None else f"torch ({linear_blocker})"
+            self.kernel_reason += f"; linears: {linears}"
+        self.model.pack_linears(cpu_kernel=linear_blocker is None)
+
+    def _default_probe(self, capacity: int | None) -> Any:
+        """telemetry's probe for this device, told what the weights and the KV pool hold at rest."""
+        device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
+        idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
+        return make_probe(device_name, capacity, idle_bytes=idle)
 
     @property
     def max_model_len(self) -> int:
@@ -166,17 +180,16 @@ class TorchBackend:
             self.probe.idle_bytes += plan.delta * self.block_bytes
         return time.perf_counter() - t0
 
-    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
+    def swap(self, out: list[tuple[str, list[int]]], into: list[tuple[str, list[int]]]) -> float:
         """Preemption by swap (Backend.swap; only when `can_swap`, i.e. on CUDA, where host memory is not the
-        device's): each `out` sequence's blocks of every layer's K and V are copied to host memory, then
-        each `into` sequence's host copy is copied into its new blocks, one layer at a time (a transient of
-        one layer's blocks on the device). Returns the measured seconds."""
+        device's): each `out` request's blocks of every layer's K and V are copied to host memory (kept here
+        by request id), then each `into` request's host copy is copied into its new blocks, one layer at a
+        time (a transient of one layer's blocks on the device). Returns the measured seconds."""
         t0 = time.perf_counter()
-        for seq, blocks in out:
-            seq.kv_host = swap_out_blocks(self.kv_caches, blocks)
-        for seq, blocks in into:
-            swap_in_blocks(self.kv_caches, blocks, seq.kv_host)
-            seq.kv_host = None
+        for rid, blocks in out:
+            self._kv_host[rid] = swap_out_blocks(self.kv_caches, blocks)
+        for rid, blocks in into:
+            swap_in_blocks(self.kv_caches, blocks, self._kv_host.pop(rid))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -205,13 +218,13 @@ class TorchBackend:
 
         return DecodeGraphs(forward, width, self.device, capture)
 
-    def _graph_decode(self, batch: ScheduledBatch, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+    def _graph_decode(self, batch: SchedulerOutput, ids: list[int], positions: list[int]) -> torch.Tensor | None:
         """The hidden states of a decode-only step replayed from its CUDA graph; None where the step runs
         eagerly (no graphs, a prefill in it, a batch above the largest bucket, a failed capture)."""
         items = batch.items
         if self.graphs is None or not all(it.num_tokens == 1 and it.sample for it in items):
             return None
-        tables = [it.seq.block_table for it in items]
+        tables = [it.block_table for it in items]
         if not self.graphs.fits(len(items), max(map(len, tables))):
             return None
         bs = self.block_size
@@ -222,17 +235,15 @@ class TorchBackend:
         """A prefill of up to WARM_UP_TOKENS tokens and one decode step, into the pool's first blocks before
         any request holds them; returns the seconds. Run on the thread that will run the steps (OpenMP
         starts a thread team per calling thread), so the first request does not pay for the team's start
-        and the first touch of a step's buffers. In process, on a 2-vCPU CPU, the first 128-token prefill
-        took 116 ms where the next ones took 101; after a warm-up the first took 91 like the rest. Behind
-        the server the first request's forward is still slower than later ones (not explained)."""
+        and the first touch of a step's buffers."""
         tokens = min(WARM_UP_TOKENS, self.max_model_len - 2)
         seq = Sequence("warm-up", [i % self.config.vocab_size for i in range(tokens)], WARM_UP_PARAMS, 2)
         seq.block_table = list(range(-(-(tokens + 1) // self.block_size)))
         start = time.perf_counter()
         for first, count in ((0, tokens), (tokens, 1)):
-            batch = ScheduledBatch()
-            batch.add(ScheduledSeq(seq, first, count, count > 1))
-            seq.output_ids += self.execute(batch)
+            batch = SchedulerOutput()
+            batch.add(ScheduledItem.of(seq, first, count, count > 1))
+            seq.output_ids += self.execute(batch).sampled
         return time.perf_counter() - start
 
     def recover_from_oom(self) -> None:
@@ -244,24 +255,28 @@ class TorchBackend:
         return time.monotonic()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """One forward over every item's new tokens; one sampled token per item with `sample`, in order. An
-        item whose request asks for logprobs gets them in `item.logprob`."""
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
+        """One forward over every item's new tokens; one sampled token per item with `sample`, in order, and
+        its logprobs where its request asks for them. Finished requests' state is dropped first."""
+        if batch.finished:
+            self.sampler.drop(batch.finished)
+            for rid in batch.finished:
+                self._kv_host.pop(rid, None)
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat-batch index of each sampling item's last new token
         for item in batch.items:
             end = item.start + item.num_tokens
-            ids += item.seq.token_slice(item.start, end)
+            ids += item.token_ids
             positions += range(item.start, end)
             if item.sample:
                 rows.append(len(ids) - 1)
         if not batch.items:
-            return []
+            return EMPTY
         hidden = self._graph_decode(batch, ids, positions)
         if hidden is None:
             meta = build_attention_metadata(
-                [(it.start, it.num_tokens, it.seq.block_table) for it in batch.items],
+                [(it.start, it.num_tokens, it.block_table) for it in batch.items],
                 self.block_size,
                 self.device,
                 self.attention,
@@ -269,14 +284,12 @@ class TorchBackend:
             ids_t, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
             hidden = self.model(ids_t, positions_t, self.kv_caches, meta)[rows]
         if not rows:
-            return []
+            return EMPTY
         sampling = [it for it in batch.items if it.sample]
         logits = self.model.compute_logits(hidden)
         if self.device.type == "cuda":  # the sampler's .tolist() waits for the forward: time only its own work
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        tokens, logprobs = self.sampler.sample_sequences(logits, [it.seq for it in sampling], self.eos_token_ids)
+        result = self.sampler.sample_items(logits, sampling, self.eos_token_ids)
         self.sampler_seconds += time.perf_counter() - start
-        for item, logprob in zip(sampling, logprobs, strict=True):
-            item.logprob = logprob
-        return tokens
+        return result

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from engine.core.scheduler import ScheduledBatch
+from engine.core.batch import ModelOutput, SchedulerOutput
 
 
 class OOMInjector:
@@ -22,7 +22,7 @@ class OOMInjector:
     def __getattr__(self, name: str) -> object:
         return getattr(self._backend, name)
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         if self._rng.random() < self._rate:
             self.injected += 1
             raise torch.OutOfMemoryError(f"injected OOM #{self.injected}")

@@ -1,7 +1,7 @@
 """Paged KV block accounting: a free list with exact used/free/total counts. The KV tensors themselves
 belong to the backend; this is the bookkeeping the scheduler and telemetry share.
 
-The pool is resizable (issue #15) in two steps, so that a backend that cannot resize leaves nothing
+The pool is resizable in two steps, so that a backend that cannot resize leaves nothing
 half-changed: `plan_resize` says what a resize would do, the backend moves its tensors to match, then
 `apply` commits the plan here.
 
@@ -26,6 +26,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,24 @@ class BlockAllocator:
         blocks = [self._take_free() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
+        return blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> list[int] | None:
+        """The one way the scheduler takes KV blocks (vLLM's allocate_slots): room in `seq`'s block table for
+        `num_new_tokens` more tokens past its computed ones. `hits`, at admission, are the cached blocks of its
+        prefix (PrefixCache.match): they are shared and head its table, and their tokens count as computed.
+        Returns the blocks newly allocated, appended to the table; None, and nothing changed, when the free
+        blocks do not hold them."""
+        hits = hits or []
+        end = seq.num_computed + len(hits) * self.block_size + num_new_tokens
+        need = max(0, self.blocks_for(end) - len(seq.block_table) - len(hits))
+        if need > self.num_free - self.num_evictable(hits):
+            return None
+        if hits:
+            self.share(hits)
+            seq.block_table.extend(hits)
+        blocks = self.allocate(need)
+        seq.block_table.extend(blocks)
         return blocks
 
     def _take_free(self) -> int:

@@ -1,4 +1,4 @@
-"""The KV pool sized by the controller at start-up (issue #15): profile the largest step the pool must
+"""The KV pool sized by the controller at start-up: profile the largest step the pool must
 leave room for, then let the policy choose the size (controller/kv_pool.py says how).
 
 Like vLLM's profile run, the profiling steps are real steps on the backend (the twin replays their
@@ -20,9 +20,9 @@ import logging
 
 import torch
 
+from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch, ScheduledSeq
 from engine.core.sequence import Sequence
 from telemetry.record import MemorySample
 
@@ -70,10 +70,10 @@ def _profile_step(engine: LLMEngine, seqs: list[Sequence], is_prefill: bool) -> 
     one-token sequences sharing one block); None if it ran out of memory."""
     backend, alloc = engine.backend, engine.allocator
     blocks = alloc.allocate(alloc.blocks_for(max(s.num_tokens for s in seqs)))
-    batch = ScheduledBatch()
+    batch = SchedulerOutput()
     for seq in seqs:
         seq.block_table = blocks
-        batch.add(ScheduledSeq(seq, 0, seq.num_tokens, is_prefill=is_prefill))
+        batch.add(ScheduledItem.of(seq, 0, seq.num_tokens, is_prefill=is_prefill))
     try:
         with backend.probe.step(batch.shape):
             backend.execute(batch)

@@ -10,12 +10,13 @@ from typing import Protocol
 import torch
 
 from controller.policy import Policy
+from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.kv_cache import BlockAllocator, ResizePlan
+from engine.core.outputs import EngineOutput
 from engine.core.prefix_cache import PrefixCache
 from engine.core.sampling_params import ParamError, SamplingParams
-from engine.core.scheduler import ScheduledBatch, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
-from engine.core.stop_strings import StopStringMatcher
 from telemetry.phases import PhaseTimer
 from telemetry.record import StepRecord
 
@@ -30,10 +31,11 @@ class Backend(Protocol):
     probe: object
     tokenizer: object | None
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """One forward over the batch and one sampled token per sampling item. A backend that samples in a
-        separate pass may count that pass's seconds in a `sampler_seconds` attribute (cumulative): the
-        engine's phase timer then tells the forward and the sampler apart."""
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
+        """One forward over the batch; one sampled token per sampling item (and its logprobs where asked for).
+        Drops what it keeps for the requests in `batch.finished` first. A backend that samples in a separate
+        pass may count that pass's seconds in a `sampler_seconds` attribute (cumulative): the engine's phase
+        timer then tells the forward and the sampler apart."""
         ...
 
     def now(self) -> float: ...
@@ -42,16 +44,23 @@ class Backend(Protocol):
         """Release what the failed step held (torch.cuda.empty_cache on CUDA)."""
         ...
 
-    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
-        """Only where `can_swap` is True: copy each `out` sequence's listed KV blocks to host memory (kept in
-        `seq.kv_host`), then each `into` sequence's host copy into its listed blocks (and drop it); returns
-        the seconds it cost."""
+    def swap(self, out: list[tuple[str, list[int]]], into: list[tuple[str, list[int]]]) -> float:
+        """Only where `can_swap` is True: copy each `out` request's listed KV blocks to host memory (the backend
+        keeps the copy by request id), then each `into` request's host copy into its listed blocks (and drop
+        it); returns the seconds it cost."""
         ...
 
     def resize_kv(self, plan: ResizePlan) -> float:
         """Resize the KV tensors to `plan` (copying the blocks in plan.moves) and set num_blocks; returns
         the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged, when it cannot."""
         ...
+
+
+def default_max_tokens(prompt_len: int, max_model_len: int, pool_tokens: int) -> int:
+    """max_tokens=None, for the offline API and the server alike: up to the context, but never more than
+    the whole KV pool holds (a small pool, the twin's, would otherwise reject every such request). At least
+    1, so a prompt too long for either is rejected by the check that says why."""
+    return max(1, min(max_model_len, pool_tokens) - prompt_len)
 
 
 class RequestError(ValueError):
@@ -64,25 +73,28 @@ class RequestError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine hit an OOM under a policy that cannot recover: like the seed's dead worker."""
+    """The engine stopped (`healthy` False): a baseline's worker died on an OOM, as the seed engine's did."""
 
 
 class LLMEngine:
     def __init__(self, backend: Backend, policy: Policy, enable_prefix_caching: bool = True) -> None:
+        """A baseline policy (engine/baselines/) brings its engine's rules: `policy.scheduler_class` packs the
+        steps and `policy.on_oom(engine)` replaces the recovery from an OOM."""
         self.backend = backend
         self.policy = policy
         self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
         self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
-        self.scheduler = Scheduler(
+        scheduler_class: type[Scheduler] = getattr(policy, "scheduler_class", Scheduler)
+        self.scheduler = scheduler_class(
             self.allocator, policy, self.prefix_cache, can_swap=getattr(backend, "can_swap", False)
         )
+        self._oom_hook: Callable[[LLMEngine], list[EngineOutput]] | None = getattr(policy, "on_oom", None)
         self.requests: dict[str, Sequence] = {}
-        self._stop_matchers: dict[str, StopStringMatcher] = {}  # requests with stop strings and a tokenizer
         self.healthy = True
         self.step_id = 0
         self.ooms = 0
         self.ooms_recovered = 0
-        self.step_listeners: list[Callable[[StepRecord, ScheduledBatch], None]] = []
+        self.step_listeners: list[Callable[[StepRecord, SchedulerOutput], None]] = []
         self.finish_listeners: list[Callable[[Sequence], None]] = []
         self.phases = PhaseTimer()
         self._sampler_seconds = 0.0  # the backend's sampler_seconds at the last step
@@ -106,15 +118,13 @@ class LLMEngine:
             arrival_time=self.backend.now() if arrival_time is None else arrival_time,
         )
         self.requests[request_id] = seq
-        if params.stop and self.backend.tokenizer is not None:
-            self._stop_matchers[request_id] = StopStringMatcher(self.backend.tokenizer, params.stop)
         self.scheduler.add(seq)
         return seq
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Validate at arrival and resolve max_tokens. Like vLLM, a request whose prompt plus max_tokens
-        exceeds the context is rejected (400) rather than silently truncated; max_tokens=None means
-        'up to the context'."""
+        exceeds the context is rejected (400) rather than silently truncated; max_tokens=None resolves by
+        `default_max_tokens`, the one rule the offline API and the server share."""
         try:
             params.validate()
         except ParamError as e:
@@ -128,7 +138,13 @@ class LLMEngine:
                 "prompt",
                 "context_length_exceeded",
             )
-        max_tokens = ctx - n if params.max_tokens is None else params.max_tokens
+        alloc = self.allocator
+        # what a request may hold of the pool: a scheduler that reserves slots beyond a request's tokens
+        # could never admit one that fills the pool without them
+        pool_tokens = alloc.num_blocks * alloc.block_size - self.scheduler.reserve_slack
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens(n, ctx, pool_tokens)
         if n + max_tokens > ctx:
             raise RequestError(
                 f"This model's maximum context length is {ctx} tokens. However, you requested "
@@ -140,20 +156,21 @@ class LLMEngine:
             raise RequestError(
                 f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the context leaves", "min_tokens"
             )
-        if self.allocator.blocks_for(n + max_tokens) > self.allocator.num_blocks:
+        if n + max_tokens > pool_tokens:
             raise RequestError(
-                f"prompt plus max_tokens ({n + max_tokens} tokens) exceeds the whole KV cache "
-                f"({self.allocator.num_blocks * self.allocator.block_size} tokens)",
+                f"prompt plus max_tokens ({n + max_tokens} tokens) exceeds the whole KV cache ({pool_tokens} tokens)",
                 "max_tokens",
             )
         if reason := self.policy.reject_reason(n, max_tokens):
             raise RequestError(reason, "prompt", "too_long_for_memory")
         return max_tokens
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request from outside the step: the client went away ("abort"), or the front end found a
+        stop string in its text ("stop"). Its KV blocks are free for the next step."""
         seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
-            self._finish(seq, "abort")
+            self._finish(seq, reason)
 
     def resize_kv_pool(self, target: int) -> ResizePlan | None:
         """Resize the KV pool to `target` blocks between steps; returns the plan carried out, or None when
@@ -202,8 +219,8 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Sequence]:
-        """Run one engine step; returns the sequences that got a token or finished."""
+    def step(self) -> list[EngineOutput]:
+        """Run one engine step; returns an output for each request that got a token or finished in it."""
         phases = self.phases
         with phases.span("schedule"):  # KV swaps included: they move blocks for the step being packed
             self._follow_pool_target()
@@ -217,7 +234,7 @@ class LLMEngine:
         wall = time.perf_counter()
         try:
             with self.backend.probe.step(batch.shape):
-                tokens = self.backend.execute(batch)
+                result = self.backend.execute(batch)
         except torch.OutOfMemoryError:
             oom = True
             self.ooms += 1
@@ -225,15 +242,15 @@ class LLMEngine:
         now = self.backend.now()
         self._time_execute(time.perf_counter() - wall)
         with phases.span("detokenize_stream"):
-            touched = self._advance(batch, tokens, now) if not oom else self._on_oom(batch)
+            outputs = self._advance(batch, result, now) if not oom else self._on_oom()
         with phases.span("telemetry"):
             record = self._record(batch, start, now - start, oom)  # KV and queue counts as the step leaves them
         with phases.span("controller"):
-            self.policy.observe(record)
+            self.policy.observe(record, batch.cuts)
         with phases.span("telemetry"):
             for listener in self.step_listeners:
                 listener(record, batch)
-        return touched
+        return outputs
 
     def _time_execute(self, seconds: float) -> None:
         """Split the backend's execute into forward and sampler by the sampler seconds it reports."""
@@ -242,50 +259,42 @@ class LLMEngine:
         self.phases.add("sampler", sampler)
         self.phases.add("forward", seconds - sampler)
 
-    def _advance(self, batch: ScheduledBatch, tokens: list[int], now: float) -> list[Sequence]:
-        self.scheduler.update(batch, tokens)
-        touched = []
-        for item in batch.items:
-            seq = item.seq
+    def _advance(self, batch: SchedulerOutput, result: ModelOutput, now: float) -> list[EngineOutput]:
+        logprobs_of = iter(result.logprobs)
+        outputs = []
+        for seq, item in self.scheduler.update(batch, result):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             if item.sample:
-                if item.logprob is not None:
-                    seq.output_logprobs.append(item.logprob)
+                logprob = next(logprobs_of, None)  # the model output's, for this sampled item
+                if logprob is not None:
+                    seq.output_logprobs.append(logprob)
                 seq.token_times.append(now)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                touched.append(seq)
-                if reason := self._stop_reason(seq):
+                reason = self._stop_reason(seq)
+                if reason is not None:
                     self._finish(seq, reason)
-        return touched
+                logprobs = [logprob] if logprob is not None else []
+                outputs.append(EngineOutput(seq.request_id, [seq.output_ids[-1]], logprobs, reason))
+        return outputs
 
-    def _on_oom(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Recovering policies: nothing advanced, so the step's work simply runs again under the backed-off
-        limits. Baselines: the worker is dead, like the seed engine's, and every request fails."""
-        if self.policy.recovers_oom:
-            self.ooms_recovered += 1
-            return []
-        self.healthy = False
-        failed = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for seq in failed:
-            self._finish(seq, "error")
-        return failed
+    def _on_oom(self) -> list[EngineOutput]:
+        """Nothing advanced, so the step's work simply runs again under the backed-off limits (a baseline's
+        hook may instead stop the engine, as its worker died)."""
+        if self._oom_hook is not None:
+            return self._oom_hook(self)
+        self.ooms_recovered += 1
+        return []
 
     def _stop_reason(self, seq: Sequence) -> str | None:
-        """vLLM's stop checks, in its order: nothing under min_tokens (at most max_tokens, checked at arrival);
-        EOS unless ignored; a stop token id; a stop string, cut from the text at `stop_text_len`; then the
-        length cap. So a stop string completed by the last allowed token still cuts and reports "stop", as
-        vLLM's output processor reports it."""
+        """vLLM's engine-core stop checks, on tokens only and in its order: nothing under min_tokens (at most
+        max_tokens, checked at arrival); EOS unless ignored; a stop token id; then the length cap. Stop
+        strings are text: the front end's output processor finds them (engine/frontend/)."""
         params, token, n_out = seq.params, seq.output_ids[-1], len(seq.output_ids)
-        matcher = self._stop_matchers.get(seq.request_id)
-        cut = matcher.update(seq.output_ids, search=n_out >= params.min_tokens) if matcher else None
         if n_out < params.min_tokens:
             return None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.backend.eos_token_ids):
-            return "stop"
-        if cut is not None:
-            seq.stop_text_len = cut
             return "stop"
         if n_out >= seq.max_tokens:
             return "length"
@@ -294,12 +303,11 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         del self.requests[seq.request_id]
-        self._stop_matchers.pop(seq.request_id, None)
         self.policy.observe_finished(len(seq.output_ids), seq.max_tokens, reason)
         for listener in self.finish_listeners:
             listener(seq)
 
-    def _record(self, batch: ScheduledBatch, start: float, duration: float, oom: bool) -> StepRecord:
+    def _record(self, batch: SchedulerOutput, start: float, duration: float, oom: bool) -> StepRecord:
         self.step_id += 1
         sched = self.scheduler
         return StepRecord(

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core.batch import ModelOutput, ScheduledItem
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import TokenLogprob
-
-if TYPE_CHECKING:
-    from engine.core.sequence import Sequence as Request
 
 _MASK64 = (1 << 64) - 1
 
@@ -52,45 +49,37 @@ def mask_tokens(logits: torch.Tensor, rows: Iterable[tuple[int, Iterable[int]]])
 
 class TokenCounts:
     """One request's penalty state, on the logits' device: how often each token is in the output, and which
-    tokens are in the prompt or the output. `update` adds only the tokens sampled since it last ran, so a
-    step costs O(vocab) per penalized row however long the output is."""
+    tokens are in the prompt or the output. The sampler adds each token it samples for the request (`add`),
+    so a step costs O(vocab) per penalized row however long the output is."""
 
-    def __init__(self, prompt_ids: list[int], vocab: int, device: torch.device) -> None:
+    def __init__(self, prompt_ids: Sequence[int], vocab: int, device: torch.device) -> None:
         self.output = torch.zeros(vocab, dtype=torch.float32, device=device)
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.seen[torch.tensor([i for i in prompt_ids if 0 <= i < vocab], dtype=torch.long, device=device)] = True
         self.num_counted = 0
 
-    def update(self, output_ids: list[int]) -> None:
-        new = output_ids[self.num_counted :]
-        if new:
-            ids = torch.tensor(new, dtype=torch.long, device=self.output.device)
-            self.output.index_put_((ids,), torch.ones(len(new), device=ids.device), accumulate=True)
-            self.seen[ids] = True
-            self.num_counted = len(output_ids)
+    def add(self, token: int) -> None:
+        self.output[token] += 1.0
+        self.seen[token] = True
+        self.num_counted += 1
 
 
-def apply_penalties(logits: torch.Tensor, seqs: Sequence[Request]) -> None:
-    """In place, on the penalized rows, in vLLM's order: the repetition penalty on every token of the prompt
-    and the output (divides a positive logit, multiplies a negative one), then OpenAI's frequency (per
-    occurrence) and presence (once) penalties over the output."""
-    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+def apply_penalties(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingParams, TokenCounts]]) -> None:
+    """In place, on the penalized rows (row index, its parameters, its request's counts), in vLLM's order: the
+    repetition penalty on every token of the prompt and the output (divides a positive logit, multiplies a
+    negative one), then OpenAI's frequency (per occurrence) and presence (once) penalties over the output."""
     if not rows:
         return
-    for i in rows:
-        seq = seqs[i]
-        if seq.token_counts is None:
-            seq.token_counts = TokenCounts(seq.prompt_ids, logits.shape[1], logits.device)
-        seq.token_counts.update(seq.output_ids)
-    counts = torch.stack([seqs[i].token_counts.output for i in rows])
-    seen = torch.stack([seqs[i].token_counts.seen for i in rows])
+    counts = torch.stack([c.output for _, _, c in rows])
+    seen = torch.stack([c.seen for _, _, c in rows])
+    index = [i for i, _, _ in rows]
 
     def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(seqs[i].params, name) for i in rows], device=logits.device)[:, None]
+        return torch.tensor([getattr(p, name) for _, p, _ in rows], device=logits.device)[:, None]
 
-    x, rep = logits[rows], column("repetition_penalty")
+    x, rep = logits[index], column("repetition_penalty")
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    logits[rows] = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+    logits[index] = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
@@ -186,6 +175,7 @@ def draw_by_path(
 class Sampler:
     def __init__(self, seed: int | None = None, plain: PlainDraw = draw_plain) -> None:
         self._plain = plain
+        self._counts: dict[str, TokenCounts] = {}  # penalized requests' counts, by request id
         self._generator = torch.Generator()  # for unseeded requests
         if seed is None:
             self._generator.seed()
@@ -224,29 +214,46 @@ class Sampler:
         picks = draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen, self._plain)
         return out.index_copy_(0, rows, picks).tolist()
 
-    def sample_sequences(
-        self, logits: torch.Tensor, seqs: Sequence[Request], eos_token_ids: set[int]
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """One step's sampling for `seqs` (row i of `logits` is seqs[i]'s next token): raw logprobs where asked
-        for, EOS and stop ids masked under min_tokens, penalties, then the draw. Returns the tokens and, per
-        row, its TokenLogprob (None where not asked for)."""
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests' penalty counts."""
+        for rid in request_ids:
+            self._counts.pop(rid, None)
+
+    def sample_items(
+        self, logits: torch.Tensor, items: Sequence[ScheduledItem], eos_token_ids: set[int]
+    ) -> ModelOutput:
+        """One step's sampling for `items` (row i of `logits` is items[i]'s next token): raw logprobs where
+        asked for, EOS and stop ids masked under min_tokens, penalties, then the draw. Returns the tokens and,
+        per row, its TokenLogprob (None where not asked for)."""
+        params = [it.params for it in items]
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
-        under_min = [(i, s) for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
-        mask_tokens(logits, [(i, banned_under_min_tokens(s, eos_token_ids)) for i, s in under_min])
-        apply_penalties(logits, seqs)
-        tokens = self.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs])
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        under_min = [i for i, it in enumerate(items) if it.num_output < it.params.min_tokens]
+        mask_tokens(logits, [(i, banned_under_min_tokens(params[i], eos_token_ids)) for i in under_min])
+        penalized = [(i, it.params, self._counts_of(it, logits)) for i, it in enumerate(items) if it.params.penalized]
+        apply_penalties(logits, penalized)
+        tokens = self.sample(logits, params, [it.start + it.num_tokens for it in items])
+        for i, _, counts in penalized:
+            counts.add(tokens[i])
+        logprobs: list[TokenLogprob | None] = [None] * len(items)
         if raw is not None:
-            chosen = token_logprobs(raw, [tokens[i] for i in wanted], [seqs[i].params.logprobs for i in wanted])
+            chosen = token_logprobs(raw, [tokens[i] for i in wanted], [params[i].logprobs for i in wanted])
             for i, entry in zip(wanted, chosen, strict=True):
                 logprobs[i] = entry
-        return tokens, logprobs
+        return ModelOutput(tokens, logprobs if wanted else [])
+
+    def _counts_of(self, item: ScheduledItem, logits: torch.Tensor) -> TokenCounts:
+        counts = self._counts.get(item.request_id)
+        # More counted than the request has output: a new request under the id of a finished one whose end
+        # this sampler has not heard of yet (another engine on the same backend): it starts over.
+        if counts is None or counts.num_counted > item.num_output:
+            counts = self._counts[item.request_id] = TokenCounts(item.prompt_ids, logits.shape[1], logits.device)
+        return counts
 
 
-def banned_under_min_tokens(seq: Request, eos_token_ids: set[int]) -> set[int]:
-    """Tokens that would end `seq` before min_tokens: its stop ids, and EOS unless EOS is ignored."""
-    banned = set(seq.params.stop_token_ids)
-    if not seq.params.ignore_eos:
+def banned_under_min_tokens(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:
+    """Tokens that would end a request before min_tokens: its stop ids, and EOS unless EOS is ignored."""
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
         banned |= eos_token_ids
     return banned

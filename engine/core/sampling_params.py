@@ -16,6 +16,7 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM: keep the stop string that ended the text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0

@@ -1,58 +1,28 @@
-"""Continuous batching over a waiting and a running queue, enforcing the policy's Limits every step."""
+"""Continuous batching over a waiting and a running queue, under the policy's StepBudget each step.
+
+schedule() takes the budget the policy publishes, packs the step through a Packer (the budget's fit functions,
+the liveness rule, the count of what memory cut) and returns a SchedulerOutput: plain data for the backend, and
+the cuts for the policy's observe(). KV blocks are taken only through BlockAllocator.allocate_slots.
+
+The rules here are the production engine's. A baseline that replays another engine (engine/baselines/) overrides
+the hooks: the step's fill order (`_fill`), which running sequences may decode (`_decodable`), which prompt
+must wait (`_prefill_waits`), the output a reservation adds (`_future_tokens`) and the preemption victim
+(`_victim`).
+"""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from itertools import islice
 
 from controller.limits import Limits
 from controller.policy import Policy
+from controller.step_budget import Packer
+from engine.core.batch import ModelOutput, ScheduledItem, SchedulerOutput
 from engine.core.kv_cache import BlockAllocator
 from engine.core.prefix_cache import PrefixCache
-from engine.core.sequence import Sequence, Status, TokenLogprob
-from telemetry.record import StepShape
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # first position computed this step
-    num_tokens: int  # tokens computed this step (1 for a decode)
-    is_prefill: bool
-    sample: bool = field(init=False)  # this chunk reaches the end of the known tokens: sample the next one
-    logprob: TokenLogprob | None = field(default=None, init=False)  # set by the backend when asked for
-
-    def __post_init__(self) -> None:
-        self.sample = self.start + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    items: list[ScheduledSeq] = field(default_factory=list)
-    shape: StepShape = field(default_factory=StepShape)
-    preempted: list[Sequence] = field(default_factory=list)
-    # Preemption by swap: (sequence, device blocks) to copy to host memory, then (sequence, device blocks) to
-    # copy its host copy back into; the backend runs both, in that order, before the step (Backend.swap).
-    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
-    deferred: int = 0  # prefill candidates the policy's fit check pushed to a later step
-    chunked: int = 0  # prefills cut short of the sequence's remaining tokens
-    kv_blocked: bool = False  # a prefill waited for KV blocks
-    prefix_queries: int = 0  # tokens of the sequences admitted this step (prefix caching on)
-    prefix_hits: int = 0  # of those, tokens whose KV came from the prefix cache
-
-    def add(self, item: ScheduledSeq) -> None:
-        self.items.append(item)
-        s, ctx = self.shape, item.start + item.num_tokens
-        if item.is_prefill:
-            s.prefill_tokens += item.num_tokens
-            s.prefill_seqs += 1
-            s.prefill_attn += item.num_tokens * ctx
-        else:
-            s.decode_seqs += 1
-        s.sum_context += ctx
-        s.max_context = max(s.max_context, ctx)
-        s.sampled_seqs += item.sample
+from engine.core.sequence import Sequence, Status
 
 
 class Scheduler:
@@ -67,82 +37,73 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self._finished: list[str] = []  # requests finished since the last output
+        self._seqs: dict[str, Sequence] = {}  # every unfinished request, by id
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._seqs[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        lim = self.policy.limits()
+    def schedule(self) -> SchedulerOutput:
+        budget = self.policy.step_budget()
+        lim = budget.limits
         self._swap = lim.preempt_by_swap and self.can_swap
-        batch = ScheduledBatch()
-        self._fill(lim, batch)
-        while not batch.items and batch.kv_blocked and len(self.running) > 1:
+        out = SchedulerOutput()
+        packer = Packer(budget)
+        self._fill(lim, packer, out)
+        while not out.items and out.kv_blocked and len(self.running) > 1:
             # Running prefills hold every block and none can grow: recompute the newest later.
-            self._preempt(self.running[-1], batch)
-            self._fill(lim, batch)
-        return batch
+            self._preempt(self.running[-1], out)
+            self._fill(lim, packer, out)
+        out.cuts = packer.cuts()
+        if out.items:  # only an output with items reaches the backend (Backend.execute)
+            out.finished, self._finished = self._finished, []
+        return out
 
-    def _fill(self, lim: Limits, batch: ScheduledBatch) -> None:
-        if lim.prefill_first:
-            self._schedule_prefills(lim, batch)
-            if lim.allow_mixed or not batch.items:
-                self._schedule_decodes(lim, batch)
-        else:
-            self._schedule_decodes(lim, batch)
-            if lim.allow_mixed or not batch.items:
-                self._schedule_prefills(lim, batch)
+    def _fill(self, lim: Limits, packer: Packer, out: SchedulerOutput) -> None:
+        """Decodes first, prompt chunks in the room left (vLLM v1's order)."""
+        self._schedule_decodes(lim, packer, out)
+        self._schedule_prefills(lim, packer, out)
 
-    def _schedule_decodes(self, lim: Limits, batch: ScheduledBatch) -> None:
-        scheduled = {id(it.seq) for it in batch.items}
-        long_in_batch = sum(it.seq.prompt_len >= lim.long_prompt_threshold for it in batch.items)
+    def _decodable(self, lim: Limits, out: SchedulerOutput, scheduled: set[str]) -> Iterator[Sequence]:
+        """Running sequences that may decode this step, in admission order."""
+        return (s for s in self.running if s.status is Status.RUNNING and s.is_decode and s.request_id not in scheduled)
+
+    def _schedule_decodes(self, lim: Limits, packer: Packer, out: SchedulerOutput) -> None:
+        scheduled = {it.request_id for it in out.items}
         # max_decode_seqs and the whole-step token budget (one token per decode).
-        room = min(lim.max_decode_seqs - batch.shape.decode_seqs, lim.max_batched_tokens - batch.shape.tokens)
-        candidates: list[Sequence] = []
-        for seq in self.running:
-            if len(candidates) >= room:
-                break
-            if seq.status is not Status.RUNNING or not seq.is_decode or id(seq) in scheduled:
-                continue
-            if seq.prompt_len >= lim.long_prompt_threshold:
-                if long_in_batch >= lim.max_long_per_batch:
-                    continue
-                long_in_batch += 1
-            candidates.append(seq)
+        room = min(lim.max_decode_seqs - out.shape.decode_seqs, lim.max_batched_tokens - out.shape.tokens)
+        candidates = list(islice(self._decodable(lim, out, scheduled), max(0, room)))
         # the policy's memory check, once for the whole prefix
-        fit = self.policy.fit_decodes(batch.shape, [s.num_tokens for s in candidates])
+        fit = packer.decodes(out.shape, [s.num_tokens for s in candidates])
         for seq in candidates[:fit]:
-            if seq.status is not Status.RUNNING or not self._grow_for_decode(seq, scheduled, batch, lim):
+            if seq.status is not Status.RUNNING or not self._grow_for_decode(seq, scheduled, out):
                 continue  # preempted to grow an earlier candidate, or for its own slot
-            scheduled.add(id(seq))
-            batch.add(ScheduledSeq(seq, seq.num_computed, 1, is_prefill=False))
+            scheduled.add(seq.request_id)
+            out.add(ScheduledItem.of(seq, seq.num_computed, 1, is_prefill=False))
 
-    def _grow_for_decode(self, seq: Sequence, scheduled: set[int], batch: ScheduledBatch, lim: Limits) -> bool:
+    def _grow_for_decode(self, seq: Sequence, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Give `seq` a KV slot for its next token, preempting unscheduled running sequences by recompute
-        when the pool is empty. Returns False if `seq` itself was preempted.
-
-        The victim is the one closest to its max_tokens (the newest among ties): it holds the most blocks,
-        so fewer sequences are evicted, and it owes the fewest decode steps after it is readmitted, so the
-        wait does not lengthen the longest remaining request (the makespan). On the twin at (16, 256, 1024)
-        with 64 blocks this is 687 against 641 output tok/s. A policy modelling vLLM takes its newest
-        instead (`Limits.preempt_newest`)."""
-        need = self.allocator.blocks_for(seq.num_tokens) - len(seq.block_table)
-        while need > self.allocator.num_free:
-            unscheduled = [s for s in reversed(self.running) if id(s) not in scheduled]
-            if lim.preempt_newest:
-                victim = unscheduled[0] if unscheduled else None
-            else:
-                victim = min(unscheduled, key=lambda s: s.remaining_new_tokens, default=None)
+        when the pool is empty. Returns False if `seq` itself was preempted."""
+        while self.allocator.allocate_slots(seq, 1) is None:
+            victim = self._victim([s for s in reversed(self.running) if s.request_id not in scheduled])
             if victim is None:
                 return False
-            self._preempt(victim, batch)
+            self._preempt(victim, out)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.block_table.extend(self.allocator.allocate(need))
         return True
+
+    def _victim(self, unscheduled: list[Sequence]) -> Sequence | None:
+        """Of the unscheduled running sequences (newest first), the one closest to its max_tokens (the newest
+        among ties): it holds the most blocks, so fewer sequences are evicted, and it owes the fewest decode
+        steps after it is readmitted, so the wait does not lengthen the longest remaining request (the
+        makespan). On the twin at (16, 256, 1024) with 64 blocks this is 687 against 641 output tok/s for
+        vLLM's choice, the newest."""
+        return min(unscheduled, key=lambda s: s.remaining_new_tokens, default=None)
 
     def blocks_owed(self) -> int:
         """Blocks the queued work needs for the tokens it already has: the rest of each running sequence's
@@ -162,14 +123,14 @@ class Scheduler:
             self._release(self.running[-1])
         return victims
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """By swap when this step may (its KV goes to host memory before the step runs, and comes back when it
         is readmitted, instead of being recomputed), else by recompute."""
         if self._swap and seq.num_computed > 0:
-            batch.swap_out.append((seq, seq.block_table[: self.allocator.blocks_for(seq.num_computed)]))
+            out.swap_out.append((seq.request_id, seq.block_table[: self.allocator.blocks_for(seq.num_computed)]))
             seq.swapped_tokens = seq.num_computed
         self._release(seq)
-        batch.preempted.append(seq)
+        out.preempted.append(seq.request_id)
 
     def _release(self, seq: Sequence) -> None:
         """Back to the head of the queue with its blocks freed: its tokens are recomputed when readmitted
@@ -191,109 +152,116 @@ class Scheduler:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
-    def _reserved_blocks(self, seq: Sequence, lim: Limits) -> int:
-        """Blocks `seq` may still claim: the rest of its known tokens plus `kv_reserve_ratio` of its future
-        output, plus the policy's extra slots."""
-        future = int(lim.kv_reserve_ratio * seq.remaining_new_tokens + 0.999999) + lim.kv_reserve_extra_tokens
-        return max(0, self.allocator.blocks_for(seq.num_tokens + future) - len(seq.block_table))
+    @property
+    def reserve_slack(self) -> int:
+        """Token slots a reservation holds beyond a request's prompt and output (none under the production
+        rules): a request whose tokens and these exceed the whole pool could never be admitted."""
+        return 0
 
-    def _schedule_prefills(self, lim: Limits, batch: ScheduledBatch) -> None:
-        decoding = any(s.is_decode for s in self.running)
-        long_in_batch = sum(it.seq.prompt_len >= lim.long_prompt_threshold for it in batch.items)
+    def _future_tokens(self, seq: Sequence, lim: Limits) -> int:
+        """Output tokens a reservation holds blocks for: `kv_reserve_ratio` of what `seq` may still emit."""
+        return int(lim.kv_reserve_ratio * seq.remaining_new_tokens + 0.999999)
+
+    def _reserved_blocks(self, seq: Sequence, lim: Limits) -> int:
+        """Blocks `seq` may still claim: the rest of its known tokens plus its reserved output."""
+        return max(0, self.allocator.blocks_for(seq.num_tokens + self._future_tokens(seq, lim)) - len(seq.block_table))
+
+    def _prefill_waits(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Whether `seq`'s prompt must wait this step while later ones may go (the production rules: never)."""
+        return False
+
+    def _schedule_prefills(self, lim: Limits, packer: Packer, out: SchedulerOutput) -> None:
         partial = [s for s in self.running if not s.is_decode]  # chunked prefills in progress go first
         outstanding = sum(self._reserved_blocks(s, lim) for s in self.running)
+        alloc = self.allocator
         for seq in partial + list(self.waiting):
             admitting = seq.status is Status.WAITING
-            if batch.shape.prefill_seqs >= lim.max_prefill_seqs:
+            if out.shape.prefill_seqs >= lim.max_prefill_seqs:
                 break
             if admitting and len(self.running) >= lim.max_num_seqs:
                 break
-            is_long = seq.prompt_len >= lim.long_prompt_threshold
-            if is_long and ((lim.defer_long_while_decoding and decoding) or long_in_batch >= lim.max_long_per_batch):
-                continue  # the seed's long-prompt rules: others may still go
+            if self._prefill_waits(seq, out):
+                continue
             # Prefix cache hits (admission only; a swapped-out sequence's KV comes back from host memory).
             swapped = admitting and seq.swapped_tokens > 0
             cached = admitting and not swapped and self.prefix_cache is not None
             hits = self.prefix_cache.match(seq) if cached else []  # type: ignore[union-attr]
-            free = self.allocator.num_free - self.allocator.num_evictable(hits)  # what is free once they are taken
-            budget = min(
-                lim.max_prefill_tokens - batch.shape.prefill_tokens,
-                lim.max_batched_tokens - batch.shape.tokens,
-            )
+            free = alloc.num_free - alloc.num_evictable(hits)  # what is free once they are taken
+            budget = min(lim.max_prefill_tokens - out.shape.prefill_tokens, lim.max_batched_tokens - out.shape.tokens)
             # KV admission: a new sequence must fit beside every running one's outstanding reservation.
             need = self._reserved_blocks(seq, lim) - len(hits) if admitting else 0
             if admitting and need > free - outstanding:
-                batch.kv_blocked = True
+                out.kv_blocked = True
                 break
             if swapped:  # no prefill: its KV comes back from host memory
-                outstanding += need - self._swap_in(seq, batch)
+                outstanding += need - self._swap_in(seq, out)
                 if seq.is_decode:
-                    if self.policy.fit_decodes(batch.shape, [seq.num_tokens]):  # its next token, this step
-                        batch.add(ScheduledSeq(seq, seq.num_computed, 1, is_prefill=False))
+                    if packer.decodes(out.shape, [seq.num_tokens]):  # its next token, this step
+                        out.add(ScheduledItem.of(seq, seq.num_computed, 1, is_prefill=False))
                     continue
-                admitting, need, free = False, 0, self.allocator.num_free  # part way through its prompt
-            start = seq.num_computed + len(hits) * self.allocator.block_size
+                admitting, need, free = False, 0, alloc.num_free  # part way through its prompt
+            start = seq.num_computed + len(hits) * alloc.block_size
             remaining = seq.num_tokens - start
             # KV room: the chunk is cut to the tokens its last block and the free blocks hold. Both KV
             # checks come before the memory fit, so the policy only ever counts chunks that run.
-            kv_room = (len(seq.block_table) + len(hits) + free) * self.allocator.block_size - start
+            kv_room = (len(seq.block_table) + len(hits) + free) * alloc.block_size - start
             chunk = min(remaining, budget, kv_room)
             if kv_room < budget and kv_room < remaining:
-                batch.kv_blocked = True
+                out.kv_blocked = True
             if (chunk < remaining and not lim.chunked_prefill) or kv_room <= 0:
                 break
             if chunk > 0:
-                chunk = self.policy.fit_chunk(batch.shape, start, chunk)
+                chunk = packer.chunk(out.shape, start, chunk)
             if chunk <= 0:
-                batch.deferred += 1
+                out.deferred += 1
                 break
+            grown = alloc.allocate_slots(seq, chunk, hits)  # kv_room holds the chunk: never None
             if admitting:
-                self._admit(seq, hits, batch)
-            outstanding += need
-            grow = self.allocator.blocks_for(seq.num_computed + chunk) - len(seq.block_table)
-            if grow > 0:
-                seq.block_table.extend(self.allocator.allocate(grow))
-                outstanding -= grow
-            long_in_batch += is_long
-            batch.chunked += chunk < remaining
-            batch.add(ScheduledSeq(seq, seq.num_computed, chunk, is_prefill=True))
+                self._admit(seq, len(hits), out)
+            outstanding += need - len(grown or ())
+            out.chunked += chunk < remaining
+            out.add(ScheduledItem.of(seq, seq.num_computed, chunk, is_prefill=True))
 
-    def _admit(self, seq: Sequence, hits: list[int], batch: ScheduledBatch) -> None:
-        """Waiting to running, holding its prefix cache hits."""
+    def _admit(self, seq: Sequence, hits: int, out: SchedulerOutput) -> None:
+        """Waiting to running, its first `hits` blocks (already in its table) from the prefix cache."""
         self.waiting.remove(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         if self.prefix_cache is None:
             return
-        self.allocator.share(hits)
-        seq.block_table = list(hits)
-        seq.num_cached_blocks = len(hits)
-        seq.num_computed = len(hits) * self.allocator.block_size
+        seq.num_cached_blocks = hits
+        seq.num_computed = hits * self.allocator.block_size
         self.prefix_cache.record_admission(seq, seq.num_computed)
-        batch.prefix_queries += seq.num_tokens
-        batch.prefix_hits += seq.num_computed
+        out.prefix_queries += seq.num_tokens
+        out.prefix_hits += seq.num_computed
 
-    def _swap_in(self, seq: Sequence, batch: ScheduledBatch) -> int:
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Readmit a swapped-out sequence: blocks for its tokens (the first filled from its host copy before
         the step runs, the last holding its next token's slot). Returns the blocks taken."""
-        seq.block_table.extend(self.allocator.allocate(self.allocator.blocks_for(seq.num_tokens)))
+        if self.allocator.allocate_slots(seq, seq.num_tokens) is None:
+            raise MemoryError("KV cache: no room to swap a sequence back in past its admission check")
         blocks = seq.block_table[: self.allocator.blocks_for(seq.swapped_tokens)]
         seq.num_computed, seq.swapped_tokens = seq.swapped_tokens, 0
-        batch.swap_in.append((seq, blocks))
+        out.swap_in.append((seq.request_id, blocks))
         self.waiting.remove(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return len(seq.block_table)
 
-    def update(self, batch: ScheduledBatch, tokens: list[int]) -> None:
-        """Advance every scheduled sequence past the tokens it computed and append the sampled tokens."""
-        sampled = iter(tokens)
-        for item in batch.items:
-            item.seq.num_computed = item.start + item.num_tokens
+    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> list[tuple[Sequence, ScheduledItem]]:
+        """Advance every scheduled sequence past the tokens it computed and append the sampled tokens; returns
+        each scheduled sequence with its item, in item order."""
+        sampled = iter(model_output.sampled)
+        advanced = []
+        for item in out.items:
+            seq = self._seqs[item.request_id]
+            seq.num_computed = item.start + item.num_tokens
             if self.prefix_cache is not None:
-                self.prefix_cache.commit(item.seq)
+                self.prefix_cache.commit(seq)
             if item.sample:
-                item.seq.output_ids.append(next(sampled))
+                seq.output_ids.append(next(sampled))
+            advanced.append((seq, item))
+        return advanced
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:
@@ -301,6 +269,8 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self._free_blocks(seq)
-        seq.swapped_tokens, seq.kv_host = 0, None
+        seq.swapped_tokens = 0
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        del self._seqs[seq.request_id]
+        self._finished.append(seq.request_id)

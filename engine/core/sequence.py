@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.core.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.core.sampler import TokenCounts
 
 
 class Status(enum.Enum):
@@ -30,7 +26,7 @@ class TokenLogprob:
 @dataclass
 class Sequence:
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]  # immutable, so a step's items share it instead of copying it
     params: SamplingParams
     max_tokens: int  # resolved: never past the model's context
     arrival_time: float = 0.0
@@ -47,14 +43,13 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
-    # Preempted by swap: the tokens whose KV went to host memory, and the backend's copy of them (None once
-    # swapped back in, or when preempted by recompute).
+    # Preempted by swap: the tokens whose KV went to host memory (the backend keeps the copy, by request id).
     swapped_tokens: int = 0
-    kv_host: object | None = field(default=None, compare=False, repr=False)
-    stop_text_len: int | None = None  # where a stop string cut the decoded output text, set by the engine
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_ids when asked for
-    # the sampler's penalty counts for this request (engine/core/sampler.py), made on first use
-    token_counts: TokenCounts | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_ids, tuple):
+            self.prompt_ids = tuple(self.prompt_ids)
 
     @property
     def prompt_len(self) -> int:
@@ -67,7 +62,7 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         """A new list of every token: O(length). A step's feed takes `token_slice` instead."""
-        return self.prompt_ids + self.output_ids
+        return [*self.prompt_ids, *self.output_ids]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building token_ids: a decode step's one token costs O(1), not a
@@ -76,8 +71,8 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n : end - n]
         if end <= n:
-            return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[: end - n]
+            return list(self.prompt_ids[start:end])
+        return [*self.prompt_ids[start:], *self.output_ids[: end - n]]
 
     @property
     def is_decode(self) -> bool:

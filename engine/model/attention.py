@@ -1,7 +1,7 @@
 """Paged KV cache and attention over it, for a flattened ragged batch (every sequence's new tokens
 concatenated).
 
-Four kernels share one metadata object:
+Four kernels share one metadata object (engine/model/attention_metadata.py):
 - `cpu` (CPU, the default there): a C++ kernel that reads each token's context from the paged cache in
   place, in fp32 (engine/model/cpu_kernels.py, engine/model/csrc/paged_attention.cpp); batch-invariant by
   construction.
@@ -10,8 +10,8 @@ Four kernels share one metadata object:
   token's result then depends only on its query and its own context: masked keys add exact zeros, and each
   bf16 matmul output is reduced in a fixed order. So a token's output is bitwise the same alone, batched,
   in a chunked prefill or after a recompute, which greedy batch invariance rests on.
-  `F.scaled_dot_product_attention` on CPU was measured to change a token's low bits with the number of
-  queries computed beside it, so it is not used.
+  `F.scaled_dot_product_attention` on CPU changes a token's low bits with the number of queries computed
+  beside it, so it is not used.
 - `flash` (CUDA only): flash-attn's varlen kernel reading the paged cache through `block_table`; it needs
   `block_size % 256 == 0`. Fast, but without the bitwise guarantee.
 - `flash_decode` (CUDA graphs): flash-attn's `flash_attn_with_kvcache` over the same paged cache for a
@@ -22,27 +22,18 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
-from functools import cached_property
-from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.model.attention_metadata import AttentionMetadata, KVCache, key_blocks
 from engine.model.cpu_kernels import cpu_paged_attention
 
 if TYPE_CHECKING:
     from engine.model.cuda_graphs import DecodeGraphMetadata
-    from engine.model.llama import ModelConfig
+    from engine.model.model_config import ModelConfig
 
 FLASH_BLOCK_MULTIPLE = 256
-# sdpa pads every key range to a multiple of this many keys (masked), so that all its matmuls take the
-# same blocked bf16 kernel: torch uses a plain loop (another summation order) for tiny ones.
-KEY_ALIGN = 32
-# sdpa attends a long prefill in runs of this many queries, each over the keys it can see: causal masking
-# then skips about half the score matrix, and the step's peak memory stays bounded.
-QUERY_CHUNK = 256
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -167,91 +158,6 @@ def check_backend(name: str, block_size: int, device: torch.device) -> None:
         )
 
 
-def key_blocks(context_len: int, block_size: int) -> int:
-    """Blocks the sdpa kernel reads for a context: enough for it, rounded up to whole KEY_ALIGNs."""
-    align = max(1, KEY_ALIGN // block_size)
-    return -(-context_len // (block_size * align)) * align
-
-
-@dataclass
-class AttentionMetadata:
-    """Where each sequence's new tokens sit in the flat batch and in the paged cache, for one step.
-    Shared by every layer; the per-kernel index tensors are built once, on first use."""
-
-    backend: str
-    block_size: int
-    query_lens: list[int]  # new tokens per sequence this step
-    context_lens: list[int]  # KV tokens per sequence after this step's tokens are written
-    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-
-    @property
-    def device(self) -> torch.device:
-        return self.slot_mapping.device
-
-    def blocks_for(self, context_len: int) -> int:
-        return key_blocks(context_len, self.block_size)
-
-    @cached_property
-    def query_starts(self) -> list[int]:
-        return [0, *accumulate(self.query_lens)][:-1]
-
-    @cached_property
-    def token_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the `cpu` kernel, per new token (int32 [T] each): its sequence's row in block_tables, and how
-        many keys it sees (its position + 1)."""
-        seq = [i for i, n in enumerate(self.query_lens) for _ in range(n)]
-        ctx = [c - n + j for n, c in zip(self.query_lens, self.context_lens, strict=True) for j in range(1, n + 1)]
-        return torch.tensor(seq, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
-
-    @cached_property
-    def decode_plan(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-        """Sequences with one new token attend together: (their rows in the flat batch, None when every
-        sequence decodes; their block tables cut to the longest context; key-valid mask [B, keys])."""
-        seqs = [i for i, n in enumerate(self.query_lens) if n == 1]
-        if not seqs:
-            return None
-        ctx = [self.context_lens[i] for i in seqs]
-        num_blocks = self.blocks_for(max(ctx))
-        keys = torch.arange(num_blocks * self.block_size, device=self.device)
-        mask = keys[None, :] < torch.tensor(ctx, device=self.device)[:, None]
-        if len(seqs) == len(self.query_lens):
-            return None, self.block_tables[:, :num_blocks], mask
-        rows = torch.tensor([self.query_starts[i] for i in seqs], device=self.device)
-        tables = self.block_tables.index_select(0, torch.tensor(seqs, device=self.device))[:, :num_blocks]
-        return rows, tables, mask
-
-    @cached_property
-    def prefill_plan(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """Per run of at most QUERY_CHUNK new tokens of a sequence with several: (first row in the flat
-        batch, token count, block table [1, blocks] cut to the run's last key, causal mask [n, keys])."""
-        plan = []
-        for i, (n, ctx) in enumerate(zip(self.query_lens, self.context_lens, strict=True)):
-            if n == 1:
-                continue
-            for first in range(0, n, QUERY_CHUNK):
-                m = min(QUERY_CHUNK, n - first)
-                end = ctx - n + first + m  # keys this run sees
-                tables = self.block_tables[i : i + 1, : self.blocks_for(end)]
-                keys = torch.arange(tables.shape[1] * self.block_size, device=self.device)
-                causal = keys[None, :] <= torch.arange(end - m, end, device=self.device)[:, None]
-                plan.append((self.query_starts[i] + first, m, tables, causal))
-        return plan
-
-    @cached_property
-    def flash_args(self) -> dict[str, object]:
-        def cumulative(lens: list[int]) -> torch.Tensor:
-            return torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=self.device)
-
-        return {
-            "cu_seqlens_q": cumulative(self.query_lens),
-            "cu_seqlens_k": cumulative(self.context_lens),
-            "max_seqlen_q": max(self.query_lens),
-            "max_seqlen_k": max(self.context_lens),
-            "block_table": self.block_tables,
-        }
-
-
 def build_attention_metadata(
     seqs: list[tuple[int, int, list[int]]],
     block_size: int,
@@ -300,7 +206,7 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     takes a different kernel for B == 1 than for B > 1."""
     b, n = tables.shape
     _, bs, kvh, hd = cache.shape
-    # index_select: 2-3x faster than advanced indexing (cache[tables]) on CPU
+    # index_select: faster than advanced indexing (cache[tables]) on CPU
     return cache.index_select(0, tables.reshape(-1)).view(b, n * bs, kvh, hd).transpose(1, 2).contiguous()
 
 
@@ -310,7 +216,7 @@ def _attend(
     """q [B, KVH, M, hd] contiguous: each KV head's query rows, M = group * R with row g * R + r for query
     head g of token r; tables [B, blocks]; mask [B, R, keys], True where token r sees a key. Returns
     [B, KVH, M, hd]. Scores in the model dtype, softmax in fp32, as HF's eager attention does."""
-    # V stays [L, hd]: torch's bf16 matmul is 2.5x faster on V as [hd, L] (transposed), but that kernel
+    # V stays [L, hd]: torch's bf16 matmul is faster on V as [hd, L] (transposed), but that kernel
     # rounds a row differently depending on how many rows come with it, which would break invariance.
     keys, values = _gather(k_cache, tables), _gather(v_cache, tables)
     b, kvh, m, _ = q.shape

@@ -3,22 +3,18 @@ with it?
 
 Greedy outputs are bitwise the same alone and batched only if every op computes a token's row the same
 way whatever the batch holds. Attention and the elementwise ops are written for that (engine/model/cpu_kernels.py
-and, in plain torch, engine/model/attention.py); on a CPU with AVX512-BF16 (AMX CPUs have it too) so do the bf16 linears
-(`linear_weight`: engine/model/csrc/linear.cpp sums each output in one fixed order). Elsewhere the linears run on
-vendor kernels that promise nothing of the kind. Measured on an AMD EPYC with AVX512-BF16, torch 2.13
-(bench/results/batch_invariance.md):
-- bf16 (oneDNN): a row computed alone (1 row) can differ from the same row in a batch of 2 or more for
-  K=1536 (the MLP down projection; in the real model, 252 of 2730 single-row calls). Padding every input
-  to `BF16_MIN_ROWS` rows keeps the single-row kernel out of the way; every row then matched for every
-  batch of 1-300 rows and 512, 1024 on the model's shapes. It costs about 2% of a batch-1 decode step
-  (padding to 8 cost 20%) and nothing from batch 2 up. oneDNN does not guarantee it, so
-  `linear_row_mismatch` checks it where it matters (tests/test_engine_model.py).
+and, in plain torch, engine/model/attention.py); on a CPU with AVX512-BF16 (AMX CPUs have it too) so do the
+bf16 linears (`linear_weight`: engine/model/csrc/linear.cpp sums each output in one fixed order). Elsewhere the
+linears run on vendor kernels that promise nothing of the kind. What they do is in
+bench/results/batch_invariance.md, and the choices here follow from it:
+- bf16 (oneDNN): a row computed alone takes a single-row kernel that can round it differently from the same
+  row in a batch. Padding every input to `BF16_MIN_ROWS` rows keeps that kernel out of the way, for little
+  (the step streams the same weights). oneDNN does not guarantee it, so `linear_row_mismatch` checks it
+  where it matters (tests/test_engine_model.py).
 - bf16 without oneDNN's bf16 kernels (ONEDNN_MAX_CPU_ISA=AVX2, as on AVX2-only CPUs): torch's own kernel
-  matched for every batch probed, padded or not.
-- fp32 (MKL sgemm): rows differ between batches of 1, 2-4, 5-8 and 9-16 rows (different kernels by row
-  count); only padding to 16 rows made them match, which would make a batch-1 linear about 4x slower
-  (bench/results/engine_cpu.md: 101 us at 1 row, 467 us at 8), so fp32 is left unpadded and is not
-  batch-invariant.
+  keeps rows apart, padded or not.
+- fp32 (MKL sgemm): the kernel changes with the row count at several sizes up to 16 rows, and padding to 16
+  would make a batch-1 linear several times slower, so fp32 is left unpadded and is not batch-invariant.
 """
 
 from __future__ import annotations
@@ -42,15 +38,16 @@ PROBE_FIRST_ROWS = 16
 
 def linear_min_rows(device: torch.device, dtype: torch.dtype) -> int:
     """Rows the model pads each linear's input to (1: no padding). Only CPU bf16 pads: there it costs
-    little (the step reads the same weights) and removes the one row-count-dependent kernel measured."""
+    little (the step reads the same weights) and keeps oneDNN's single-row kernel, which rounds differently,
+    out of the way."""
     return BF16_MIN_ROWS if device.type == "cpu" and dtype == torch.bfloat16 else 1
 
 
 def prepacked(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's blocked layout where the model's linears run on oneDNN (CPU bf16), else itself.
-    An unpacked weight is reordered into that layout on every call: prepacking once halves a decode step's
-    linears at 1-2 rows (576->3072: 124 -> 56 us; the 576->49152 head 4.3 -> 1.8 ms) and saves 15-30 % at 64
-    rows, on an AMD EPYC with AVX512-BF16. The kernel is the same, so every output is bitwise F.linear's.
+    An unpacked weight is reordered into that layout on every call, which at decode sizes costs about as much
+    as the matmul itself; prepacked, it is reordered once. The kernel is the same, so every output is bitwise
+    F.linear's.
     fp32 stays unpacked: F.linear takes MKL there, and oneDNN's fp32 kernel rounds differently; so does bf16
     where oneDNN has no bf16 kernel (an AVX2-only CPU: torch's own kernel runs it)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not onednn_runs_bf16():
@@ -83,7 +80,7 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, min_rows
 @functools.cache
 def _zero_rows(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A buffer padded_linear copies short inputs into, one per shape: one copy a call instead of F.pad's
-    allocate, fill and copy (about 1.5 ms of a 30 ms batch-1 decode step). The engine runs one step at a
+    allocate, fill and copy, for every linear of every layer of a batch-1 decode step. The engine runs one step at a
     time, and the linear's output is a new tensor, so reusing it is safe. Made outside inference mode, so
     that it can be written in and out of it."""
     with torch.inference_mode(False):

@@ -3,11 +3,12 @@ sampler's plain inverse-CDF draw, and the bf16 linears on AVX512-BF16.
 
 Why compile at run time: the kernels are built with `-march=native`, so they use the vector units of the CPU
 they run on (AVX-512, AVX2, NEON) and the wheel ships no binary per CPU. The sources are plain C++ with no
-torch headers (about two seconds with g++), loaded through ctypes, which releases the GIL for each call.
+torch headers (seconds to build), loaded through ctypes, which releases the GIL for each call.
 The shared object is cached under Headroom's cache directory (engine/cache_dir.py), named by a hash of the
 sources, the flags, the compiler's version and the CPU's flags, so a changed CPU or compiler rebuilds it.
-Where no compiler is found or the build fails, `load_library` says why and the backend runs the model in
-plain torch (attention `sdpa`, `TorchOps`).
+Where no compiler is found or the build fails, `build` says why and the backend runs the model in plain
+torch (attention `sdpa`, `TorchOps`) and logs a warning. A build that fails with a compiler present is
+marked `failed`: that is a defect to fix, so the tests fail on it rather than skip.
 
 Every kernel computes a row from that row alone, in fp32, with reductions in a fixed order (see the
 sources), so a token's result does not depend on what else the batch holds: batch invariance is a property
@@ -34,13 +35,11 @@ from engine.cache_dir import default_cache_dir
 from engine.model.dtype_choice import read_cpu_facts
 
 if TYPE_CHECKING:
-    from engine.model.attention import AttentionMetadata, KVCache
+    from engine.model.attention_metadata import AttentionMetadata, KVCache
 
-SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name
-    for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp")
-)
-HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp")  # in CSRC
+HEADERS = ("vec.h",)
 # -Wno-psabi: without AVX-512, GCC notes that 16-float vectors would be passed differently; none crosses the
 # library's boundary
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")
@@ -62,51 +61,73 @@ SIGNATURES = {
 }  # fmt: skip
 RESULTS = {"headroom_linear_available": ctypes.c_int}  # the functions that return something
 LINEAR_BLOCK = 16  # outputs per packed block of the linear kernel (engine/model/csrc/linear.cpp)
+ERROR_LINES = 4  # the compiler's first error lines a failed build reports: the first error is the cause
 
 
 @dataclass(frozen=True)
 class KernelBuild:
     library: ctypes.CDLL | None
     reason: str  # what was built or loaded, or why not
+    # A compiler was found and the build or the load failed: a defect in the sources or the toolchain, which
+    # the tests fail on, unlike a machine without a compiler, where falling back to torch is the design.
+    failed: bool = False
 
 
-def build(cache_root: Path | None = None, compiler: str | None = None) -> KernelBuild:
-    """Compile the kernels into the cache (once per sources, flags, compiler and CPU) and load them."""
+class BuildError(Exception):
+    """The compiler rejected the sources; the message is its first error lines."""
+
+
+def build(cache_root: Path | None = None, compiler: str | None = None, csrc: Path = CSRC) -> KernelBuild:
+    """Compile the kernels in `csrc` into the cache (once per sources, flags, compiler and CPU) and load them."""
     compiler = shutil.which(compiler or os.environ.get(COMPILER_ENV, "g++"))
     if compiler is None:
         return KernelBuild(None, "no C++ compiler found (g++ or $CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    cpu = read_cpu_facts()  # -march=native compiles for this CPU: another one rebuilds
-    machine = [os.uname().machine, cpu.model, *sorted(cpu.flags)]
-    key = "\n".join([*(p.read_text() for p in (*SOURCES, *HEADERS)), *FLAGS, version, *machine])
-    target = (cache_root or default_cache_dir()) / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.so"
-    if not target.is_file():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / "kernels.so"
-                cmd = [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                if proc.returncode != 0:
-                    return KernelBuild(None, f"building the CPU kernels failed: {proc.stderr.strip()[-500:]}")
-                os.replace(built, target)  # readers see the whole library or none
-        except (OSError, subprocess.SubprocessError) as e:
-            return KernelBuild(None, f"building the CPU kernels failed: {e}")
     try:
+        target = _compiled(compiler, csrc, cache_root or default_cache_dir())
         library = ctypes.CDLL(str(target))
-    except OSError as e:
-        return KernelBuild(None, f"loading {target} failed: {e}")
+    except (OSError, subprocess.SubprocessError, BuildError) as e:
+        return KernelBuild(None, f"building the CPU kernels with {Path(compiler).name} failed: {e}", failed=True)
     for name, argtypes in SIGNATURES.items():
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = RESULTS.get(name)
     return KernelBuild(library, f"built with {Path(compiler).name} -march=native ({target.name})")
 
 
+def _compiled(compiler: str, csrc: Path, cache_root: Path) -> Path:
+    """The shared object for these sources, flags, compiler and CPU, compiled into the cache unless there."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    cpu = read_cpu_facts()  # -march=native compiles for this CPU: another one rebuilds
+    machine = [os.uname().machine, cpu.model, *sorted(cpu.flags)]
+    key = "\n".join([*((csrc / name).read_text() for name in (*SOURCES, *HEADERS)), *FLAGS, version, *machine])
+    target = cache_root / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / "kernels.so"
+        cmd = [compiler, *FLAGS, "-o", str(built), *(str(csrc / name) for name in SOURCES)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise BuildError(first_errors(proc.stderr.replace(f"{csrc}/", "")) or f"exit status {proc.returncode}")
+        os.replace(built, target)  # readers see the whole library or none
+    return target
+
+
+def first_errors(stderr: str) -> str:
+    """The compiler's first error lines, joined: later errors often follow from the first, and the
+    "In function" context lines before it say less than the error itself."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return " | ".join((errors or lines)[:ERROR_LINES])
+
+
 @functools.cache
 def load_library() -> KernelBuild:
-    """The kernels for this process, built on first use."""
+    """The kernels for this process, built on first use. Only a build is logged here: why there is none
+    is the caller's to report, beside what it falls back to (the backend's warning)."""
     result = build()
-    logger.info("CPU kernels: %s", result.reason)
+    if result.library is not None:
+        logger.info("CPU kernels: %s", result.reason)
     return result
 
 
@@ -221,16 +242,15 @@ def linear_unusable_reason(dtype: torch.dtype) -> str | None:
     else why they stay on torch.
 
     CPUs with AMX-BF16 have AVX512-BF16 too, and take the kernel as well. oneDNN's AMX tiles may run a long
-    prefill faster there (not measured: no AMX machine was at hand), but their summation order is theirs:
-    with the kernel, a bf16 model's arithmetic on the CPU is Headroom's own, and batch-invariant by
-    construction, on every CPU that runs bf16 by default."""
+    prefill faster there, but their summation order is theirs: with the kernel, a bf16 model's arithmetic on
+    the CPU is Headroom's own, and batch-invariant by construction, on every CPU that runs bf16 by default."""
     if dtype != torch.bfloat16:
         return f"the linear kernel runs bf16, dtype is {str(dtype).removeprefix('torch.')}"
     library = load_library().library
     if library is None:
         return load_library().reason
     if not library.headroom_linear_available():
-        return "the compiler targets no AVX512-BF16 on this CPU"
+        return "this CPU lacks AVX512-BF16 (the build targets the CPU it runs on)"
     return None
 
 

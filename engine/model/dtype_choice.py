@@ -1,7 +1,7 @@
 """The model's dtype: an explicit name, or `auto`, which takes bf16 only where its matmuls are fast.
 
 On a CPU without bf16 dot-product instructions torch runs bf16 matmuls in its own fp32-accumulating loop,
-about 7x slower than MKL's fp32 (bench/results/engine_cpu.md), so `auto` picks fp32 there. With AMX-BF16 or
+several times slower than MKL's fp32 (bench/results/engine_cpu.md), so `auto` picks fp32 there. With AMX-BF16 or
 AVX512-BF16, and oneDNN allowed to use them, bf16 halves the weights' memory traffic and runs on oneDNN.
 On CUDA `auto` is bf16.
 """

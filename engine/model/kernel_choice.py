@@ -2,12 +2,12 @@
 
 Why together: flash-attn's paged kernel reads the cache through `block_table` only when a block holds a
 multiple of 256 tokens (upstream flash_api.cpp: "Paged KV cache block size must be divisible by 256"),
-while the sdpa kernel gathers blocks and wastes less of the pool with small ones. A fixed default block
-size of 16 therefore meant `--attention auto` could never pick flash. So the block size follows the
-kernel: 256 where flash-attn runs (a CUDA device, flash_attn importable, a 16-bit dtype), else 16. An
-explicit block size is kept, and `auto` then takes flash only where that size suits it. On the CPU `auto`
-takes the C++ paged kernel (engine/model/cpu_kernels.py), which reads blocks of any size in place, and the
-torch kernel (`sdpa`) where that cannot be built.
+while the sdpa kernel gathers blocks and wastes less of the pool with small ones: no one fixed default
+suits both. So the block size follows the kernel: 256 where flash-attn runs (a CUDA device, flash_attn
+importable, a 16-bit dtype), else 16. An explicit block size is kept, and `auto` then takes flash only
+where that size suits it. On the CPU `auto` takes the C++ paged kernel (engine/model/cpu_kernels.py), which
+reads blocks of any size in place, and the torch kernel (`sdpa`) where those kernels cannot run (the
+backend logs a warning with the reason).
 """
 
 from __future__ import annotations

@@ -7,35 +7,19 @@ each, which on CPU saves more time than anything else at small batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import AttentionMetadata, KVCache, paged_attention
+from engine.model.attention import paged_attention
+from engine.model.attention_metadata import AttentionMetadata, KVCache
 from engine.model.batch_invariance import linear_weight, padded_linear
+from engine.model.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.model.cpu_kernels import CpuKernelOps, PackedLinear
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # HF's dict ("llama3", "linear"), or {"rope_type": "freq_factors", "factors": [...]} from a GGUF
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -68,7 +52,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalized in fp32 and cast back before the weight, as HF's LlamaRMSNorm does (one fused op for the
-    normalization: this runs 61 times a step)."""
+    normalization: it runs twice in every layer of every step)."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 

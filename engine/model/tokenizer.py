@@ -104,10 +104,18 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """The stream ended: the text of ids held back for an incomplete UTF-8 sequence (U+FFFD for it), as
+        decoding the whole output would give."""
+        return self._emit(final=True) if self.read_offset < len(self.ids) else ""
+
+    def _emit(self, final: bool) -> str:
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
         full = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

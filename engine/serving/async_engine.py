@@ -3,15 +3,18 @@
 Why a thread: the scheduler, KV allocator and policy are single-threaded, and a step is mostly torch
 kernels that release the GIL, so the event loop stays responsive while the engine computes. Requests and
 aborts go in through a thread-safe command queue (applied between steps, so an abort frees its KV blocks
-before the next step); outputs come back through one `loop.call_soon_threadsafe` per step that fills each
-request's asyncio queue. A request's error (bad parameters, too long) is answered on that request only; an
-exception from the step itself kills the loop, every open request is failed, and /health turns 503.
+before the next step). Right after each step the engine thread runs the output processor over the step's
+token ids (text, stop strings, logprobs: engine/frontend/), aborts in the core the requests a stop string
+ended, so none computes a token past its stop, and sends each request its `RequestOutput` through one
+`loop.call_soon_threadsafe` per step: the event loop decodes nothing. A request's error (bad parameters, too
+long) is answered on that request only; an exception from the step itself kills the loop, every open
+request is failed, and /health turns 503.
 
-Nothing else touches the engine's objects. Other threads read `snapshot` (counters the engine thread
-republishes after every step and command batch, never mutated) or send a `query` (a function run on the
-engine thread between steps, promptly when idle) for anything richer, such as the controller's state or
-a config change. Once the loop has ended, queries are refused and `policy_state` answers from the last
-state the engine thread produced.
+Nothing else touches the engine's objects. Other threads read `snapshot` and `info` (engine/serving/
+messages.py) or call a typed query (`controller_state`, `controller_stats`, `update_config`,
+`prefill_load`), run on the engine thread between steps, promptly when idle. Once the loop has ended,
+queries are refused and the controller's state and stats answer from the last ones the engine thread
+produced.
 """
 
 from __future__ import annotations
@@ -26,10 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine.core.batch import SchedulerOutput
 from engine.core.llm_engine import EngineDeadError, LLMEngine
+from engine.core.outputs import EngineOutput
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ScheduledBatch
-from engine.core.sequence import Sequence, TokenLogprob
+from engine.core.sequence import Sequence
+from engine.frontend.output_processor import OutputProcessor
+from engine.serving.handles import ACCEPTED, RequestHandle, deliver
+from engine.serving.messages import ControllerStats, EngineInfo, EngineSnapshot, PrefillLoad
+from engine.serving.standin import StandInTokenizer
 from telemetry.record import StepRecord
 
 logger = logging.getLogger("headroom.server")
@@ -50,94 +58,6 @@ class QueueFullError(RuntimeError):
 
 
 @dataclass
-class Update:
-    """New output tokens of one request; `finish_reason` set on the last update."""
-
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_text_len: int | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to token_ids when asked for
-
-
-_ACCEPTED = object()  # first message to a request: the engine took it
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's counters as the engine thread last published them: safe to read from any thread."""
-
-    healthy: bool
-    steps: int
-    ooms: int
-    ooms_recovered: int
-    num_running: int
-    num_waiting: int  # in the scheduler's queue; adds still in the command queue are counted apart
-    num_requests: int  # accepted and not yet finished
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    block_size: int
-    max_model_len: int
-    prefix_cache_queries: int  # tokens of admitted requests (0 with prefix caching off)
-    prefix_cache_hits: int  # of those, tokens whose KV came from the prefix cache
-
-    @classmethod
-    def of(cls, engine: LLMEngine, num_requests: int) -> EngineSnapshot:
-        """Read on the engine thread (or before it starts)."""
-        sched, alloc, cache = engine.scheduler, engine.allocator, engine.prefix_cache
-        return cls(
-            engine.healthy, engine.step_id, engine.ooms, engine.ooms_recovered, len(sched.running),
-            len(sched.waiting), num_requests, alloc.num_used, alloc.num_free, alloc.num_blocks, alloc.block_size,
-            engine.max_model_len, cache.queries if cache else 0, cache.hits if cache else 0,
-        )  # fmt: skip
-
-
-class RequestHandle:
-    """The asyncio side of one request: iterate for Updates; `abort()` when the client goes away."""
-
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt_len: int) -> None:
-        self.request_id = request_id
-        self.prompt_len = prompt_len
-        self.num_tokens = 0
-        self.finished = False
-        self._owner = owner
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def _accepted(self) -> None:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> Update:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.num_tokens += len(item.token_ids)
-        if item.finish_reason is not None:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Idempotent; a no-op once the request finished."""
-        if not self.finished:
-            self.finished = True
-            self._owner._commands.put(("abort", self.request_id))
-
-
-@dataclass
-class _Live:
-    handle: RequestHandle
-    sent: int = 0  # output tokens already published
-
-
-@dataclass
 class _Add:
     handle: RequestHandle
     prompt_ids: list[int]
@@ -152,12 +72,15 @@ class AsyncEngine:
     on_step: list[Callable[[StepRecord], None]] = field(default_factory=list)
     on_finish: list[Callable[[Sequence], None]] = field(default_factory=list)
     warm_up: Callable[[], None] | None = None  # run on the engine thread before its first step
+    tokenizer: Any = None  # the text's; None: the backend's, else the stand-in (the twin has none)
 
     def __post_init__(self) -> None:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit against death/stop, guards _pending
         self._pending = 0  # adds queued but not yet applied
-        self._live: dict[str, _Live] = {}  # engine thread only
+        self._handles: dict[str, RequestHandle] = {}  # engine thread only: accepted, not finished
+        tokenizer = self.tokenizer or self.engine.backend.tokenizer or StandInTokenizer()
+        self._processor = OutputProcessor(tokenizer)  # engine thread only
         self._outbox: list[tuple[RequestHandle | asyncio.Future[Any], Any]] = []  # engine thread only
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -166,7 +89,9 @@ class AsyncEngine:
         self._closed = False  # the loop has ended: no more commands are applied
         self.error: BaseException | None = None
         self.snapshot = EngineSnapshot.of(self.engine, 0)
+        self.info = EngineInfo.of(self.engine)
         self._last_state: dict[str, Any] = self.engine.policy.state()
+        self._last_stats: ControllerStats = self.engine.policy.stats()
         self.engine.step_listeners.append(self._step_listener)
         self.engine.finish_listeners.append(self._finish_listener)
 
@@ -227,7 +152,7 @@ class AsyncEngine:
         return self.snapshot.num_requests + self._pending
 
     # ---- queries (event loop thread) ---------------------------------------------------------------
-    async def query(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def _query(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result (its exception is
         raised here). EngineDeadError when the loop is not running."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -237,11 +162,17 @@ class AsyncEngine:
             self._commands.put(("query", fn, future))
         return await future
 
-    async def policy_state(self) -> dict[str, Any]:
-        """The controller's state, fresh from the engine thread; the last one seen when the loop is dead."""
+    async def controller_state(self) -> dict[str, Any]:
+        """The controller's rich state (GET /controller/state), fresh; the last one seen once the loop died."""
         with contextlib.suppress(EngineDeadError):
-            self._last_state = await self.query(lambda engine: engine.policy.state())
+            self._last_state = await self._query(lambda engine: engine.policy.state())
         return self._last_state
+
+    async def controller_stats(self) -> ControllerStats:
+        """What metrics export of the controller, fresh; the last one seen once the loop died."""
+        with contextlib.suppress(EngineDeadError):
+            self._last_stats = await self._query(lambda engine: engine.policy.stats())
+        return self._last_stats
 
     async def update_config(self, patch: dict[str, Any]) -> dict[str, Any]:
         """Apply a controller config patch on the engine thread; the policy's ValueError is raised here."""
@@ -250,14 +181,22 @@ class AsyncEngine:
             engine.policy.update_config(patch)
             return engine.policy.state()
 
-        self._last_state = await self.query(apply)
+        self._last_state = await self._query(apply)
         return self._last_state
+
+    async def prefill_load(self) -> PrefillLoad:
+        """What a fleet's router reads; EngineDeadError when the loop is not running."""
+        return await self._query(PrefillLoad.of)
+
+    def phase_totals(self) -> dict[str, float]:
+        """The engine step's seconds by phase (a thread-safe timer, not the engine's own state)."""
+        return self.engine.phases.totals()
 
     # ---- requests (event loop thread) --------------------------------------------------------------
     async def add(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request and wait until the engine accepted it. Raises the engine's RequestError (400),
         EngineDeadError (503) or QueueFullError (429)."""
-        handle = RequestHandle(self, f"req-{next(self._ids)}", len(prompt_ids))
+        handle = RequestHandle(f"req-{next(self._ids)}", len(prompt_ids), self._request_abort)
         arrival = self.engine.backend.now()  # a clock read: thread-safe on every backend
         with self._lock:
             if self.error is not None or self._stopping or not self.snapshot.healthy:
@@ -268,11 +207,14 @@ class AsyncEngine:
             self._pending += 1
             self._commands.put(("add", _Add(handle, list(prompt_ids), params, arrival)))
         try:
-            await handle._accepted()
+            await handle.accepted()
         except asyncio.CancelledError:
             handle.abort()
             raise
         return handle
+
+    def _request_abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
 
     def dead_reason(self) -> str:
         if self.error is not None:
@@ -293,12 +235,12 @@ class AsyncEngine:
                     break
                 self._flush()
                 if self.engine.has_unfinished():
-                    touched = self.engine.step()
+                    outputs = self.engine.step()
                     phases = self.engine.phases
                     with phases.span("detokenize_stream"):
-                        self._publish(touched)
+                        self._publish(outputs)
                     with phases.span("telemetry"):
-                        self.snapshot = EngineSnapshot.of(self.engine, len(self._live))
+                        self.snapshot = EngineSnapshot.of(self.engine, len(self._handles))
                     with phases.span("detokenize_stream"):
                         self._flush()
         except BaseException as e:  # noqa: BLE001 - anything that escapes a step ends the loop
@@ -308,9 +250,11 @@ class AsyncEngine:
         self._fail_all(EngineDeadError(self.dead_reason()))
 
     def _keep_last_state(self) -> None:
-        """What policy_state answers once the loop is gone (the policy may be broken by what killed it)."""
+        """What the controller queries answer once the loop is gone (the policy may be broken by what
+        killed it)."""
         try:
             self._last_state = self.engine.policy.state()
+            self._last_stats = self.engine.policy.stats()
         except Exception:  # noqa: BLE001
             logger.exception("cannot read the controller's last state")
 
@@ -331,18 +275,18 @@ class AsyncEngine:
             pass
         with self._lock:
             self._pending -= added
-            self.snapshot = EngineSnapshot.of(self.engine, len(self._live))
+            self.snapshot = EngineSnapshot.of(self.engine, len(self._handles))
         return cmd[0] != "stop"
 
     def _apply(self, cmd: tuple[Any, ...]) -> None:
         kind = cmd[0]
         if kind == "add":
             self._apply_add(cmd[1])
-        elif kind == "abort" and cmd[1] in self._live:
-            self.engine.abort(cmd[1])  # the finish listener publishes and forgets it
+        elif kind == "abort":
+            self._abort(cmd[1])
         elif kind == "abort_all":
-            for rid in list(self._live):
-                self.engine.abort(rid)
+            for rid in list(self._handles):
+                self._abort(rid)
         elif kind == "query":
             self._answer(cmd[1], cmd[2])
 
@@ -354,43 +298,37 @@ class AsyncEngine:
         self._outbox.append((future, result))
 
     def _apply_add(self, add: _Add) -> None:
-        params, rid = add.params, add.handle.request_id
+        rid = add.handle.request_id
         try:
-            if params.max_tokens is None:
-                params.max_tokens = self._default_max_tokens(len(add.prompt_ids))
-            self.engine.add_request(rid, add.prompt_ids, params, arrival_time=add.arrival_time)
+            self.engine.add_request(rid, add.prompt_ids, add.params, arrival_time=add.arrival_time)
         except Exception as e:  # noqa: BLE001 - a request's error is that request's answer, never the loop's
             self._outbox.append((add.handle, e))
             return
-        self._live[rid] = _Live(add.handle)
-        self._outbox.append((add.handle, _ACCEPTED))
+        self._processor.add_request(rid, add.params)
+        self._handles[rid] = add.handle
+        self._outbox.append((add.handle, ACCEPTED))
 
-    def _default_max_tokens(self, prompt_len: int) -> int:
-        """'Up to the context' (chat without max_tokens), but never more than the whole KV pool holds:
-        otherwise a small pool (the twin's) would reject every such request."""
-        alloc = self.engine.allocator
-        room = min(self.engine.max_model_len, alloc.num_blocks * alloc.block_size) - prompt_len
-        return max(1, room)
+    def _abort(self, request_id: str) -> None:
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            self.engine.abort(request_id)
+            self._outbox.append((handle, self._processor.abort(request_id)))
 
-    def _publish(self, touched: list[Sequence]) -> None:
-        for seq in touched:
-            live = self._live.get(seq.request_id)
-            if live is not None and len(seq.output_ids) > live.sent:
-                new = slice(live.sent, None)
-                self._outbox.append((live.handle, Update(seq.output_ids[new], logprobs=seq.output_logprobs[new])))
-                live.sent = len(seq.output_ids)
+    def _publish(self, outputs: list[EngineOutput]) -> None:
+        """The step's outputs through the output processor, once: a stop string it finds ends the request in
+        the core now, before the next step; each request's message goes to its handle."""
+        processed = self._processor.process(outputs)
+        for request_id in processed.to_abort:
+            self.engine.abort(request_id, "stop")
+        for out in processed.outputs:
+            handle = self._handles.pop(out.request_id) if out.finish_reason else self._handles[out.request_id]
+            self._outbox.append((handle, out))
 
     def _finish_listener(self, seq: Sequence) -> None:
-        live = self._live.pop(seq.request_id, None)
-        if live is not None:
-            new = slice(live.sent, None)
-            reason = seq.finish_reason or "abort"
-            update = Update(seq.output_ids[new], reason, seq.stop_text_len, seq.output_logprobs[new])
-            self._outbox.append((live.handle, update))
         for listener in self.on_finish:
             self._call(listener, seq)
 
-    def _step_listener(self, record: StepRecord, batch: ScheduledBatch) -> None:
+    def _step_listener(self, record: StepRecord, batch: SchedulerOutput) -> None:
         for listener in self.on_step:
             self._call(listener, record)
 
@@ -407,7 +345,7 @@ class AsyncEngine:
             return
         batch, self._outbox = self._outbox, []
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._loop.call_soon_threadsafe(deliver, batch)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """The loop ended: fail every open and queued request so no client waits forever."""
@@ -424,19 +362,7 @@ class AsyncEngine:
                 elif cmd[0] == "query":
                     self._outbox.append((cmd[2], error))
             self.snapshot = EngineSnapshot.of(self.engine, 0)
-        for live in self._live.values():
-            self._outbox.append((live.handle, error))
-        self._live.clear()
+        for handle in self._handles.values():
+            self._outbox.append((handle, error))
+        self._handles.clear()
         self._flush()
-
-
-def _deliver(batch: list[tuple[RequestHandle | asyncio.Future[Any], Any]]) -> None:
-    for target, item in batch:
-        if isinstance(target, RequestHandle):
-            target._queue.put_nowait(item)
-        elif target.done():  # the asker went away (cancelled)
-            continue
-        elif isinstance(item, BaseException):
-            target.set_exception(item)
-        else:
-            target.set_result(item)

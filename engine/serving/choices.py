@@ -10,39 +10,36 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.core.llm_engine import EngineDeadError
 from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import TokenLogprob
-from engine.serving.async_engine import AsyncEngine, RequestHandle, Update
+from engine.serving.async_engine import AsyncEngine
 from engine.serving.errors import SERVER_ERROR, APIError, engine_error
-from engine.serving.text import TextStream
+from engine.serving.handles import RequestHandle
+from engine.serving.messages import LogprobEntry, RequestOutput
 
 
 @dataclass
 class Choice:
     index: int
     handle: RequestHandle
-    text: TextStream
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # every output token's, when asked for
+    text: str = ""  # the text so far: every delta the engine thread sent, in order
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # every output token's, when asked for
     finish_reason: str | None = None
 
-    def advance(self, update: Update) -> str:
-        """Take one engine update; returns the text now safe to send. The last update sets `finish_reason`;
-        an engine-ended request ("error": an unrecovered OOM; "abort") is a 503."""
+    def advance(self, update: RequestOutput) -> str:
+        """Take one engine message; returns its text delta. The last message sets `finish_reason`; an
+        engine-ended request ("error": an unrecovered OOM; "abort") is a 503."""
         self.logprobs.extend(update.logprobs)
-        delta = self.text.add(update.token_ids)
+        self.text += update.text
         reason = update.finish_reason
-        if reason is None:
-            return delta
-        if reason not in ("stop", "length"):
+        if reason is not None and reason not in ("stop", "length"):
             raise APIError(503, f"the request was ended by the engine ({reason})", SERVER_ERROR, None, "engine_error")
         self.finish_reason = reason
-        return delta + self.text.finish(update.stop_text_len)
+        return update.text
 
 
-async def submit(engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]], tokenizer: Any) -> list[Choice]:
+async def submit(engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[Choice]:
     """Add every request at once; if any is refused, abort those accepted and answer the first refusal."""
     results = await asyncio.gather(*(engine.add(ids, params) for ids, params in requests), return_exceptions=True)
     refused = [r for r in results if not isinstance(r, RequestHandle)]
@@ -51,10 +48,7 @@ async def submit(engine: AsyncEngine, requests: list[tuple[list[int], SamplingPa
             if isinstance(r, RequestHandle):
                 r.abort()
         raise engine_error(refused[0]) from refused[0]
-    return [
-        Choice(i, handle, TextStream(tokenizer, params.stop))
-        for i, (handle, (_, params)) in enumerate(zip(results, requests, strict=True))
-    ]
+    return [Choice(i, handle) for i, handle in enumerate(results)]
 
 
 class ChoiceUpdates:
@@ -63,7 +57,7 @@ class ChoiceUpdates:
 
     def __init__(self, choices: list[Choice]) -> None:
         self.choices = choices
-        self._queue: asyncio.Queue[tuple[Choice, Update | EngineDeadError]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Choice, RequestOutput | EngineDeadError]] = asyncio.Queue()
         self._open = len(choices)
         self._pumps = [asyncio.create_task(self._pump(c)) for c in choices]
 
@@ -78,7 +72,7 @@ class ChoiceUpdates:
     def done(self) -> bool:
         return self._open == 0
 
-    async def get(self) -> tuple[Choice, Update]:
+    async def get(self) -> tuple[Choice, RequestOutput]:
         """The next update of any open choice (do not call once `done`)."""
         choice, item = await self._queue.get()
         if isinstance(item, EngineDeadError):
@@ -90,7 +84,7 @@ class ChoiceUpdates:
     def __aiter__(self) -> ChoiceUpdates:
         return self
 
-    async def __anext__(self) -> tuple[Choice, Update]:
+    async def __anext__(self) -> tuple[Choice, RequestOutput]:
         if self.done:
             raise StopAsyncIteration
         return await self.get()

@@ -80,7 +80,7 @@ def engine_counters(ctx: AppContext) -> dict[str, Any]:
         max_waiting=engine.max_waiting,
         draining=engine.draining,
         prefix_cache_hit_rate=counters["prefix_cache_hits"] / max(1, counters["prefix_cache_queries"]),
-        step_phases_s=engine.engine.phases.totals(),  # a thread-safe timer, not the engine's own state
+        step_phases_s=engine.phase_totals(),
     )
     return counters
 

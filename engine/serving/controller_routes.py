@@ -1,6 +1,6 @@
 """The controller's window: `GET /controller/state` and `PATCH /controller/config`.
 
-Both go through the engine thread's command queue (AsyncEngine.policy_state / update_config): the policy
+Both go through the engine thread's command queue (AsyncEngine.controller_state / update_config): the policy
 is the engine thread's, and a config change lands between two steps, never inside one.
 """
 
@@ -45,7 +45,7 @@ ControllerConfigPatch = _patch_model()
 
 @router.get("/state")
 async def controller_state(ctx: Ctx, steps: int = DEFAULT_STATE_STEPS) -> dict[str, Any]:
-    state = dict(await ctx.engine.policy_state())
+    state = dict(await ctx.engine.controller_state())
     state["engine"] = engine_counters(ctx)
     if ctx.trace is not None:
         state["recent_steps"] = [r.to_dict() for r in ctx.trace.records(last=max(0, steps))]

@@ -36,13 +36,8 @@ async def health(ctx: Ctx) -> Response:
 
 @router.get("/version")
 async def version_info(ctx: Ctx) -> dict[str, Any]:
-    core = ctx.engine.engine
-    return {
-        "version": package_version(),
-        "model": ctx.model_name,
-        "backend": type(core.backend).__name__,
-        "policy": getattr(core.policy, "name", None),
-    }
+    info = ctx.engine.info
+    return {"version": package_version(), "model": ctx.model_name, "backend": info.backend, "policy": info.policy}
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses=error_responses(404))
@@ -59,29 +54,6 @@ async def metrics(ctx: Ctx) -> Response:
     m.kv_usage.set(counters["kv_blocks_used"] / max(1, counters["kv_blocks_total"]))
     m.running.set(counters["num_running"])
     m.waiting.set(counters["num_waiting"])
-    m.observe_controller(controller_metrics(await ctx.engine.policy_state(), counters["ooms_recovered"]))
-    m.observe_phases(ctx.engine.engine.phases.totals())
+    m.observe_controller(await ctx.engine.controller_stats())
+    m.observe_phases(counters["step_phases_s"])
     return Response(m.exposition(), media_type=METRICS_CONTENT_TYPE)
-
-
-def controller_metrics(state: dict[str, Any], ooms_recovered: int) -> dict[str, Any]:
-    """Flatten policy.state() into the keys Metrics.observe_controller exports (absent keys are skipped)."""
-    out: dict[str, Any] = dict(state.get("counters") or {})
-    out["ooms_recovered"] = ooms_recovered
-    budget = state.get("budget") or {}
-    if budget.get("effective") is not None:
-        out["budget_bytes"] = budget["effective"]
-    estimator = state.get("estimator") or {}
-    if estimator.get("last_prediction_bytes") is not None:
-        out["predicted_peak_bytes"] = estimator["last_prediction_bytes"]
-    floor = (estimator.get("margin") or {}).get("floor_bytes")
-    if floor is not None:
-        out["margin_bytes"] = floor
-    pool = state.get("kv_pool") or {}
-    if pool.get("sized"):
-        out["kv_pool_bytes"] = pool["pool_bytes"]
-    if state.get("effective_prefill_tokens") is not None:  # what a fleet's headroom router routes by
-        out["effective_prefill_tokens"] = state["effective_prefill_tokens"]
-    if "emergency" in state:
-        out["emergency"] = float(bool(state["emergency"]))
-    return out

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from engine.config import EngineConfig, ServerConfig
+from engine.core.llm_engine import LLMEngine
 from engine.core.sequence import Sequence
 from engine.factory import build_engine
 from engine.serving.app import create_app
@@ -30,34 +31,12 @@ TRACE_CAPACITY = 1024  # step records kept in memory for /controller/state
 
 def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
     """The ready-to-run FastAPI app (engine built, telemetry wired, loop not yet started)."""
-    if ecfg.backend == "torch":
-        logger.info("loading model %s (device %s, dtype %s)", ecfg.model, ecfg.device, ecfg.dtype)
-    else:
-        logger.info("loading twin profile %s", ecfg.profile)
-    t0 = time.monotonic()
-    engine = build_engine(ecfg)  # sizes the KV pool where the controller owns it
+    engine = _load_engine(ecfg)
     backend = engine.backend
-    if ecfg.backend == "torch":
-        logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
-        logger.info("attention %s, block size %d (%s)", backend.attention, backend.block_size, backend.kernel_reason)
-    logger.info(
-        "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
-        backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
-    )  # fmt: skip
     names = list(dict.fromkeys(scfg.served_model_name or [backend.model_name, ecfg.model]))
-    name = names[0]
-    metrics = Metrics(name, backend.max_model_len)
+    metrics = Metrics(names[0], backend.max_model_len)
     trace = StepTrace(TRACE_CAPACITY, path=scfg.trace_file)
-
-    def observe_finished(seq: Sequence) -> None:
-        timing = RequestTiming(
-            arrival=seq.arrival_time,
-            finished=backend.now(),
-            first_scheduled=seq.first_scheduled_time,
-            first_token=seq.first_token_time,
-            token_times=list(seq.token_times),
-        )
-        metrics.observe_request_finished(seq.prompt_len, len(seq.output_ids), seq.finish_reason or "abort", timing)
+    tokenizer = backend.tokenizer or StandInTokenizer()
 
     def warm_up() -> None:
         logger.info("warm-up on the engine thread: %.2f s", backend.warm_up())
@@ -66,14 +45,15 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
         engine,
         scfg.max_waiting,
         on_step=[metrics.observe_step, trace.append],
-        on_finish=[observe_finished],
+        on_finish=[lambda seq: _observe_finished(metrics, backend.now(), seq)],
         warm_up=warm_up if ecfg.backend == "torch" else None,
+        tokenizer=tokenizer,
     )
     config = getattr(backend, "config", None)
     ctx = AppContext(
         engine=server,
-        model_name=name,
-        tokenizer=backend.tokenizer or StandInTokenizer(),
+        model_name=names[0],
+        tokenizer=tokenizer,
         api_key=scfg.api_key,
         metrics=metrics,
         trace=trace,
@@ -82,16 +62,51 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
         admin_key=scfg.admin_key,
         bind_host=scfg.host,
     )
+    _warn_if_exposed(ctx, scfg.host)
+    logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, scfg.max_waiting)
+    return create_app(ctx)
+
+
+def _load_engine(ecfg: EngineConfig) -> LLMEngine:
+    """Build the engine (sizing the KV pool where the controller owns it) and log what it chose."""
+    if ecfg.backend == "torch":
+        logger.info("loading model %s (device %s, dtype %s)", ecfg.model, ecfg.device, ecfg.dtype)
+    else:
+        logger.info("loading twin profile %s", ecfg.profile)
+    t0 = time.monotonic()
+    engine = build_engine(ecfg)
+    backend = engine.backend
+    if ecfg.backend == "torch":
+        logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
+        logger.info("attention %s, block size %d (%s)", backend.attention, backend.block_size, backend.kernel_reason)
+    logger.info(
+        "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
+        backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
+    )  # fmt: skip
+    return engine
+
+
+def _observe_finished(metrics: Metrics, now: float, seq: Sequence) -> None:
+    """A finished request's histograms (on the engine thread, from its finish listener)."""
+    timing = RequestTiming(
+        arrival=seq.arrival_time,
+        finished=now,
+        first_scheduled=seq.first_scheduled_time,
+        first_token=seq.first_token_time,
+        token_times=list(seq.token_times),
+    )
+    metrics.observe_request_finished(seq.prompt_len, len(seq.output_ids), seq.finish_reason or "abort", timing)
+
+
+def _warn_if_exposed(ctx: AppContext, host: str) -> None:
     if ctx.admin_locked:
         logger.warning(
             "listening on %s, beyond loopback, with no --admin-key or --api-key: PATCH /controller/config "
             "answers 403 (set --admin-key or $HEADROOM_ADMIN_KEY to allow it)",
-            scfg.host,
+            host,
         )
-    elif ctx.api_key is None and not is_loopback(scfg.host):
-        logger.warning("listening on %s, beyond loopback, with no --api-key: /v1/* is open to anyone", scfg.host)
-    logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, scfg.max_waiting)
-    return create_app(ctx)
+    elif ctx.api_key is None and not is_loopback(host):
+        logger.warning("listening on %s, beyond loopback, with no --api-key: /v1/* is open to anyone", host)
 
 
 def draining_server(config: Any, engine: AsyncEngine, grace: float) -> Any:
@@ -135,7 +150,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> int:
     """Build the app and serve it until a signal drains it; 0 after a clean drain, 1 if it cannot listen."""
     import uvicorn
 
-    logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(levelname)s %(message)s", stream=sys.stderr)
     app = build_app(ecfg, scfg)
     config = uvicorn.Config(
         app,

@@ -1,4 +1,5 @@
-"""Token logprobs in OpenAI's two shapes, from the engine's `TokenLogprob` entries.
+"""Token logprobs in OpenAI's two shapes, from the output processor's `LogprobEntry`s (texts decoded on the
+engine thread: nothing here decodes).
 
 - Completions (legacy): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, where each
   `top_logprobs` entry maps token text to logprob for the top k and the chosen token (as vLLM does).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.core.sequence import TokenLogprob
+from engine.serving.messages import LogprobEntry
 
 LOGPROB_FLOOR = -9999.0  # vLLM's clamp: -inf is not valid JSON
 
@@ -21,49 +22,35 @@ def _value(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-class _Formatter:
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-
-    def token(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-class CompletionLogprobs(_Formatter):
+class CompletionLogprobs:
     """One completion choice's legacy logprobs object, piece by piece."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer)
+    def __init__(self) -> None:
         self._offset = 0  # text offset of the next token
 
-    def add(self, token_ids: list[int], entries: list[TokenLogprob]) -> dict[str, Any]:
-        tokens = [self.token(t) for t in token_ids]
+    def add(self, entries: list[LogprobEntry]) -> dict[str, Any]:
         offsets = []
-        for text in tokens:
+        for e in entries:
             offsets.append(self._offset)
-            self._offset += len(text)
-        top = [
-            {**{self.token(i): _value(lp) for i, lp in e.top}, text: _value(e.logprob)}
-            for text, e in zip(tokens, entries, strict=True)
-        ]
+            self._offset += len(e.token)
         return {
-            "tokens": tokens,
+            "tokens": [e.token for e in entries],
             "token_logprobs": [_value(e.logprob) for e in entries],
-            "top_logprobs": top,
+            "top_logprobs": [{**{t: _value(lp) for t, lp in e.top}, e.token: _value(e.logprob)} for e in entries],
             "text_offset": offsets,
         }
 
 
-class ChatLogprobs(_Formatter):
+class ChatLogprobs:
     """One chat choice's `logprobs.content` entries, piece by piece."""
 
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token(token_id)
+    @staticmethod
+    def _entry(text: str, logprob: float) -> dict[str, Any]:
         return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
 
-    def add(self, token_ids: list[int], entries: list[TokenLogprob]) -> dict[str, Any]:
+    def add(self, entries: list[LogprobEntry]) -> dict[str, Any]:
         content = [
-            {**self._entry(t, e.logprob), "top_logprobs": [self._entry(i, lp) for i, lp in e.top]}
-            for t, e in zip(token_ids, entries, strict=True)
+            {**self._entry(e.token, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
+            for e in entries
         ]
         return {"content": content}

@@ -2,15 +2,16 @@
 
 Handlers never touch the engine directly: they check what the engine does not (model name, unsupported
 fields, token ids), tokenize, submit one engine request per choice (`choices.submit`: each prompt times
-`n`) and turn the merged updates into text with `TextStream` and logprobs with `logprobs`, so streamed
-deltas and non-streamed bodies come from the same code. `_Endpoint` holds what differs between the two.
+`n`) and turn the merged messages (text deltas and logprob entries, decoded on the engine thread) into
+answers, so streamed deltas and non-streamed bodies come from the same text. `_Endpoint` holds what differs
+between the two endpoints. An answer names the model as the client asked for it (any served name), as
+vLLM's does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,14 +147,14 @@ async def _answer(
     """Submit each prompt `n` times, then answer with one JSON body or an SSE stream of chunks, the usage
     chunk if asked for, and [DONE]. Usage counts each prompt once and every choice's tokens."""
     requests = [(ids, req.sampling_params(max_tokens, logprobs, j)) for ids in prompts for j in range(req.n)]
-    updates = ChoiceUpdates(await submit(ctx.engine, requests, ctx.tokenizer))
-    rid, created, name = p.new_id(endpoint.id_prefix), p.now(), ctx.model_name
+    updates = ChoiceUpdates(await submit(ctx.engine, requests))
+    rid, created, name = p.new_id(endpoint.id_prefix), p.now(), req.model or ctx.model_name
 
     def use() -> dict[str, int]:
         return p.usage(sum(map(len, prompts)), sum(c.handle.num_tokens for c in updates.choices))
 
     def final_logprobs(c: Choice) -> dict | None:
-        return None if logprobs is None else endpoint.logprobs(ctx.tokenizer).add(c.text.token_ids, c.logprobs)
+        return None if logprobs is None else endpoint.logprobs().add(c.logprobs)
 
     if not req.stream:
         try:
@@ -161,32 +162,24 @@ async def _answer(
                 return Response(status_code=499)
         finally:
             updates.close()
-        choices = [
-            endpoint.choice(c.index, c.text.final or "", final_logprobs(c), c.finish_reason) for c in updates.choices
-        ]
+        choices = [endpoint.choice(c.index, c.text, final_logprobs(c), c.finish_reason) for c in updates.choices]
         return JSONResponse({**p.envelope(rid, created, name, endpoint.body_object, choices), "usage": use()})
 
     def chunk(choices: list[dict[str, Any]]) -> str:
         body = p.envelope(rid, created, name, endpoint.chunk_object, choices)
         return _sse({**body, "usage": None} if req.include_usage else body)
 
-    phases = ctx.engine.engine.phases  # thread-safe: timed on the engine thread and here
-
     async def events() -> AsyncIterator[str]:
-        formatters = {c.index: endpoint.logprobs(ctx.tokenizer) for c in updates.choices}
+        formatters = {c.index: endpoint.logprobs() for c in updates.choices}
         try:
             for c in updates.choices:
                 for opening in endpoint.opening(c.index):
                     yield chunk([opening])
             async for c, update in updates:
-                start = time.perf_counter()
                 delta = c.advance(update)
-                wanted = logprobs is not None and update.token_ids
-                piece = formatters[c.index].add(update.token_ids, update.logprobs) if wanted else None
-                lines = [chunk([choice]) for choice in endpoint.deltas(c.index, delta, piece, c.finish_reason)]
-                phases.add("detokenize_stream", time.perf_counter() - start)  # the event loop's share
-                for line in lines:
-                    yield line
+                piece = formatters[c.index].add(update.logprobs) if logprobs is not None and update.token_ids else None
+                for choice in endpoint.deltas(c.index, delta, piece, c.finish_reason):
+                    yield chunk([choice])
             if req.include_usage:
                 yield _sse({**p.envelope(rid, created, name, endpoint.chunk_object, []), "usage": use()})
         except APIError as e:
@@ -198,8 +191,11 @@ async def _answer(
 
 @router.get("/models")
 async def models(ctx: Ctx) -> dict[str, Any]:
-    max_len, root = ctx.engine.engine.max_model_len, ctx.engine.engine.backend.model_name
-    cards = [p.ModelCard(id=name, root=root, max_model_len=max_len).model_dump() for name in ctx.served_names]
+    info = ctx.engine.info
+    cards = [
+        p.ModelCard(id=name, root=info.model_root, max_model_len=info.max_model_len).model_dump()
+        for name in ctx.served_names
+    ]
     return {"object": "list", "data": cards}
 
 

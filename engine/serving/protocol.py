@@ -35,7 +35,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),
     "min_p": (0,),
     "use_beam_search": (False,),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "allowed_token_ids": (),
@@ -126,6 +125,7 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     min_tokens: integer(ge=0) = 0
     stop_token_ids: list[integer(ge=0)] | None = None
+    include_stop_str_in_output: bool = False
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -152,6 +152,7 @@ class SamplingFields(Strict):
             top_k=-1 if self.top_k is None else self.top_k,
             seed=None if self.seed is None else self.seed + sample,
             stop=self.stop_list(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,

@@ -7,7 +7,7 @@ Rules (deterministic, documented because token counts in usage and benchmarks fo
 - decode: every id becomes the filler word " the" (one token in common BPE vocabularies, so a client
   re-tokenizing the output with a real tokenizer counts the same number of tokens).
 - chat template: `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`.
-Stop strings are not applied to filler text (the engine checks them only with a real tokenizer).
+Stop strings apply to the filler text as to any text (the output processor decodes through this tokenizer).
 """
 
 from __future__ import annotations

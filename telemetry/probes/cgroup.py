@@ -1,7 +1,7 @@
 """The memory cgroup this process runs in: its limit is the CPU plant's capacity, its usage the used memory.
 
 Why: under a container's memory limit the kernel kills a process whose cgroup goes over it, exactly as a
-GPU raises OOM at its capacity, so the limit is a real device budget on a CPU (issue #15). Used memory is
+GPU raises OOM at its capacity, so the limit is a real device budget on a CPU. Used memory is
 the cgroup's usage less the page cache the kernel would reclaim before it kills anything (`inactive_file`
 in memory.stat): a model file read through the page cache must not look like memory the engine holds.
 

@@ -7,15 +7,15 @@ pool, set by the backend) + that peak: the same meaning as the CUDA allocator's 
 controller learns the same thing on both. What it cannot see: scratch memory allocated inside a single
 kernel (it is a lower bound on RSS growth) and in-place growth (`resize_`).
 
-The dispatch hook costs ~10-20 us per op (a SmolLM2 decode step is ~2000 ops), so the probe samples:
-every step whose (power-of-two bucketed) shape it has not measured yet, and every `sample_every`-th
-step -- unless its own measured cost already exceeds `overhead_budget` (default 0.5%) of the wall time
-of all steps so far, which keeps the amortized cost bounded on any machine. Other steps report the
-bucket's last measurement with sampled=False.
+The dispatch hook costs tens of microseconds per op and a decode step runs thousands of ops, so the
+probe samples: every step whose (power-of-two bucketed) shape it has not measured yet, and every
+`sample_every`-th step -- unless its own measured cost already exceeds `overhead_budget` (default 0.5%)
+of the wall time of all steps so far, which keeps the amortized cost bounded on any machine. Other steps
+report the bucket's last measurement with sampled=False.
 
 The probe's own cost cannot be timed from inside the hook (the C++ -> Python round trip grows with an
-op's argument count: ~10 us for a tiny add, ~30 us for a typical model op). So a sampled step's cost
-is measured like a benchmark would: its duration minus the running mean duration of unsampled steps
+op's argument count, so a tiny op's cost understates a model op's). So a sampled step's cost is
+measured like a benchmark would: its duration minus the running mean duration of unsampled steps
 of the same shape bucket; until a bucket has unsampled steps, the in-hook estimate (calibrated round
 trip x ops + timed bookkeeping, a lower bound) stands in.
 
@@ -110,6 +110,38 @@ def _op_kind(func: Any) -> int:
     return kind
 
 
+def _fresh_outputs(func: Any, out: Any, kind: int) -> Iterable[Any]:
+    """What `func` returned as new tensors, for an op of kind 1 or 2 (_op_kind)."""
+    if kind == 1:
+        return (out,)
+    outs = out if isinstance(out, tuple) else (out,)
+    tensors: list[Any] = []
+    for is_fresh, o in zip(_FRESH[func], outs, strict=False):
+        if is_fresh:
+            tensors.extend(o if isinstance(o, list) else (o,))
+    return tensors
+
+
+def _count_new_storages(state: _StepState, tensors: Iterable[Any], tensor_type: type) -> bool:
+    """Add each storage behind `tensors` that the step has not counted to its live bytes, with a weakref that
+    takes it off when freed. True when any was added."""
+    grew = False
+    by_ptr = state.by_ptr
+    for t in tensors:
+        if not isinstance(t, tensor_type):
+            continue
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if not ptr or ptr in by_ptr:  # empty/meta, or already counted (e.g. _unsafe_view)
+            continue
+        ref = _Ref(storage, state.freed)
+        ref.ptr, ref.nbytes = ptr, storage.nbytes()
+        by_ptr[ptr] = ref
+        state.live += ref.nbytes
+        grew = True
+    return grew
+
+
 def _tracker_class() -> Any:
     """The TorchDispatchMode subclass, built once on first use (torch imported lazily)."""
     global _TRACKER_CLASS
@@ -125,7 +157,7 @@ def _tracker_class() -> Any:
     class _Tracker(TorchDispatchMode):
         @classmethod
         def _should_skip_dynamo(cls) -> bool:
-            # No torch._disable_dynamo wrapper around every call (~20% of the per-op cost): the probe
+            # No torch._disable_dynamo wrapper around every call (a large share of the per-op cost): the probe
             # brackets eager steps, nothing here is meant to be compiled.
             return False
 
@@ -141,32 +173,8 @@ def _tracker_class() -> Any:
             kind = _KIND.get(func)
             if kind is None:
                 kind = _op_kind(func)
-            if kind == 0:
-                state.bookkeeping += perf() - t0
-                return out
-            if kind == 1:
-                tensors: Any = (out,)
-            else:
-                outs = out if isinstance(out, tuple) else (out,)
-                tensors = []
-                for is_fresh, o in zip(_FRESH[func], outs, strict=False):
-                    if is_fresh:
-                        tensors.extend(o if isinstance(o, list) else (o,))
-            grew = False
-            by_ptr = state.by_ptr
-            for t in tensors:
-                if not isinstance(t, tensor_type):
-                    continue
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if not ptr or ptr in by_ptr:  # empty/meta, or already counted (e.g. _unsafe_view)
-                    continue
-                ref = _Ref(storage, state.freed)
-                ref.ptr, ref.nbytes = ptr, storage.nbytes()
-                by_ptr[ptr] = ref
-                state.live += ref.nbytes
-                grew = True
-            if grew and state.live > state.peak:
+            fresh = _fresh_outputs(func, out, kind) if kind else ()
+            if _count_new_storages(state, fresh, tensor_type) and state.live > state.peak:
                 state.peak = state.live
                 if state.limit is not None and state.peak > state.limit:
                     state.oom = True
@@ -184,7 +192,7 @@ def _tracker_class() -> Any:
 
 def measure_dispatch_cost(iterations: int = 300) -> float:
     """Seconds one op spends in a no-op TorchDispatchMode round trip (C++ -> Python -> C++), which the
-    tracker cannot time from inside itself. Measured once per process (~10 ms) in thread CPU time, so a
+    tracker cannot time from inside itself. Measured once per process in thread CPU time, so a
     busy neighbour at that moment does not inflate it for the life of the process. Running a mode also
     pays torch's one-time set-up of dispatch modes here instead of in a served step."""
     global _DISPATCH_COST

@@ -15,9 +15,11 @@ from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.backends.twin.memo import LRUMemo
 from engine.backends.twin.memory import MEMO_SIZE, DeviceOOM, MemoryModel, StepMemory, StepResult
 from engine.backends.twin.profile import DEFAULT_PROFILE, Profile, load_profile
+from engine.backends.twin.sensors import LazyMemory, NvmlSensor
+from engine.config import TWIN_SENSORS
+from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
-from engine.core.scheduler import ScheduledBatch
-from engine.core.sequence import Sequence, TokenLogprob
+from engine.core.sequence import TokenLogprob
 from telemetry.probes.null import NullProbe
 from telemetry.record import MemorySample, StepShape
 
@@ -61,9 +63,13 @@ class TwinBackend:
         block_size: int | None = None,
         realtime: bool = False,
         max_model_len: int | None = None,
+        sensors: str = "ideal",
     ) -> None:
         """`num_blocks`, `block_size` None: the profile's (the pool its engine ran with). `realtime`: sleep in
-        execute() so virtual time tracks wall time (for `headroom serve`)."""
+        execute() so virtual time tracks wall time (for `headroom serve`). `sensors`: what the probe sees and
+        the memory outside the step trace (engine/backends/twin/sensors.py)."""
+        if sensors not in TWIN_SENSORS:
+            raise ValueError(f"sensors must be one of {', '.join(TWIN_SENSORS)}; got {sensors!r}")
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
         eng, model = self.profile.section("engine"), self.profile.section("model")
         block_size = block_size or int(eng["default_block_size"])
@@ -83,8 +89,13 @@ class TwinBackend:
         self.logits_all = bool(eng["logits_all_prompt_tokens"])
         self.latency = _latency_model(self.profile)  # read-only after construction: shared
         self.memory = MemoryModel(self.profile, num_blocks, block_size)
+        self.lazy = LazyMemory.from_profile(self.profile) if sensors == "realistic" else None
+        if self.lazy is not None:
+            self.memory.set_lazy(self.lazy.reserved)
+        period = float(self.profile.section("sensors")["nvml_period_s"]) if self.lazy is not None else None
+        self.nvml = NvmlSensor(period, self.memory.device_used())
         self.probe = TwinProbe(self.memory.cuda_total, self.memory.persistent)
-        self.probe._last = self._sample(0, 0, 0)
+        self.probe._last = self._sample(0, 0, 0, self.nvml.value)
         self.realtime = realtime
         self._t = 0.0
         self._wall0 = time.monotonic()
@@ -108,13 +119,13 @@ class TwinBackend:
         self._t = max(self._t, t)
 
     # -- the step --------------------------------------------------------------------------------
-    def work(self, batch: ScheduledBatch) -> StepWork:
+    def work(self, batch: SchedulerOutput) -> StepWork:
         prefills, n, ctx, sampled, new_max = [], 0, 0, 0, 0
         for it in batch.items:
             if it.is_prefill:
                 prefills.append((it.num_tokens, it.start))
                 if it.start == 0:
-                    new_max += it.seq.max_tokens
+                    new_max += it.max_tokens
             else:
                 n += 1
                 ctx += it.start + 1
@@ -123,26 +134,33 @@ class TwinBackend:
         rows = pre_tokens + n if self.logits_all else sampled
         return StepWork(tuple(prefills), n, ctx, rows, sampled, new_max)
 
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         """Advance the virtual clock by the modelled step time and replay the step's allocations; raises
         torch.OutOfMemoryError (after charging the time) when the allocator cannot place them."""
         work = self.work(batch)
+        if not work.prefills:
+            self._capture(work.decode_seqs)
         res = self._run(self.latency.step_time(work), StepMemory(work.logits_rows, work.sampled, len(work.prefills)))
         if res.oom is not None:
             import torch  # only for the exception type a real device raises
 
             raise torch.OutOfMemoryError(res.oom)
+        tokens = [filler_token(it.start + it.num_tokens) for it in batch.items if it.sample]
+        if all(it.params.logprobs is None for it in batch.items):
+            return ModelOutput(tokens)
+        # no logits here: each token is certain, so logprob 0 and the only top entry
         sampling = [it for it in batch.items if it.sample]
-        for it in sampling:  # no logits here: each token is certain, so logprob 0 and the only top entry
-            if (k := it.seq.params.logprobs) is not None:
-                it.logprob = TokenLogprob(0.0, [(filler_token(it.start + it.num_tokens), 0.0)][:k])
-        return [filler_token(it.start + it.num_tokens) for it in sampling]
+        logprobs = [
+            None if (k := it.params.logprobs) is None else TokenLogprob(0.0, [(token, 0.0)][:k])
+            for it, token in zip(sampling, tokens, strict=True)
+        ]
+        return ModelOutput(tokens, logprobs)
 
     def decode_step(self, n: int, context: int, until: float = float("inf")) -> bool:
         """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
         model it, for the bench's fast path (bench.loadgen). Returns False and changes nothing when
         the step would start at or after `until` or would run out of memory: the engine runs that one."""
-        if self.now() >= until:
+        if self.now() >= until or (self.lazy is not None and self.lazy.needs_capture(n)):
             return False
         m = self.memory
         saved = m.checkpoint()
@@ -159,12 +177,29 @@ class TwinBackend:
         self._finish_step(duration, res)
         return res
 
+    def _capture(self, n: int) -> None:
+        """Realistic sensors: a decode step of `n` whose bucket has no graph yet captures one first. The capture
+        empties the allocator's cache (torch.cuda.graph does) and takes its pool and workspaces from the
+        driver; when the driver has too little, the capture fails and decode runs eagerly from then on."""
+        lazy, m = self.lazy, self.memory
+        if lazy is None or not lazy.needs_capture(n):
+            return
+        m.empty_cache()
+        if lazy.capture_growth(n) > m.driver_free:
+            lazy.disabled = True
+            return
+        lazy.capture(n)
+        m.set_lazy(lazy.reserved)
+
     def _finish_step(self, duration: float, res: StepResult) -> None:
         m = self.memory
-        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external)
+        used = self.nvml.at(self.now() + duration, m.device_used())  # the probe reads NVML at the step's end
+        lazy = (self.lazy.captured, self.lazy.draws) if self.lazy is not None else None
+        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external, lazy, used)
         sample = self._samples.get(skey)
         if sample is None:
-            sample = self._samples.put(skey, self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before))
+            sample = self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before, used)
+            sample = self._samples.put(skey, sample)
         self.probe.pending = self.probe._last = sample
         start = self.now()
         self.steps += 1
@@ -190,19 +225,19 @@ class TwinBackend:
             raise torch.OutOfMemoryError(str(e)) from e
         self.num_blocks = plan.num_blocks
         self.probe.idle_bytes = m.persistent
+        if self.lazy is not None:  # the graphs captured the old KV tensors
+            self.lazy.release_graphs()
+            m.set_lazy(self.lazy.reserved)
         return self._charge(self.resize_cost(plan, staged))
 
     can_swap = True
 
-    def swap(self, out: list[tuple[Sequence, list[int]]], into: list[tuple[Sequence, list[int]]]) -> float:
+    def swap(self, out: list[tuple[str, list[int]]], into: list[tuple[str, list[int]]]) -> float:
         """Preemption by swap (Backend.swap): the blocks cross PCIe 4.0 x16 to pinned host memory and back
         (the torch backend swaps through pinned memory) at `[kv_resize] pinned_copy_bytes_per_s`, charged to
-        the virtual clock before the step; host memory is not the card's, so device memory does not change."""
+        the virtual clock before the step; host memory is not the card's, so device memory does not change.
+        Nothing is kept: the twin's tokens do not depend on KV contents."""
         blocks = sum(len(b) for _, b in out) + sum(len(b) for _, b in into)
-        for seq, _ in out:
-            seq.kv_host = True  # nothing to keep: the twin's tokens do not depend on KV contents
-        for seq, _ in into:
-            seq.kv_host = None
         return self._charge(
             blocks * self.memory.block_bytes / float(self.profile.section("kv_resize")["pinned_copy_bytes_per_s"])
         )
@@ -229,25 +264,27 @@ class TwinBackend:
     def set_external(self, nbytes: int) -> int:
         """Another process on the card asks for `nbytes` in all (0: it lets go); it gets what the driver
         has free (MemoryModel.set_external) and the bytes it holds are returned. A scenario calls this
-        between steps, as often as the other process retries. NVML sees it at once: the probe's latest
-        sample is refreshed, as a between-steps NVML read would be."""
-        held = self.memory.set_external(nbytes)
-        live = self.memory.allocated
-        self.probe._last = self._sample(live, self.memory.reserved, live)
+        between steps, as often as the other process retries. The probe's latest sample is refreshed: ideal
+        sensors see the new bytes at once, realistic ones at the probe's next NVML read."""
+        m = self.memory
+        held = m.set_external(nbytes)
+        self.probe._last = self._sample(m.allocated, m.reserved, m.allocated, self.nvml.at(None, m.device_used()))
         return held
 
     def recover_from_oom(self) -> None:
         """torch.cuda.empty_cache(): hand every wholly free cached segment back to the driver."""
         self.memory.empty_cache()
 
-    def _sample(self, peak: int, reserved: int, before: int) -> MemorySample:
+    def _sample(self, peak: int, reserved: int, before: int, used: int) -> MemorySample:
+        """The allocator's stats (graph pools and workspaces count in them) and NVML's `used` as reported."""
         m = self.memory
+        held = m.persistent + (self.lazy.allocated if self.lazy is not None else 0)
         return MemorySample(
-            peak_allocated=m.persistent + peak,
-            reserved=m.persistent + reserved,
-            idle_baseline=m.persistent + before,
+            peak_allocated=held + peak,
+            reserved=m.persistent + m.lazy + reserved,
+            idle_baseline=held + before,
             capacity=m.cuda_total,
-            device_used=m.device_used(),
+            device_used=used,
             device_total=m.nvml_total,
             alloc_retries=m.retries,
             ooms=m.ooms,

@@ -1,8 +1,8 @@
 """A least-recently-used memo of fixed size for the twin's per-step caches.
 
 Why bounded: `headroom serve --backend twin` runs for days, and every distinct allocator state, step
-shape or decode batch size would otherwise stay cached forever (issue #13). A miss only costs a
-recomputation (tens of microseconds), so a memo that forgets the oldest entries is always correct.
+shape or decode batch size would otherwise stay cached forever. A miss only costs a recomputation (tens
+of microseconds), so a memo that forgets the oldest entries is always correct.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ ROUND_LARGE = 2 << 20
 MEMO_SIZE = 8192
 
 
-def _round(size: int) -> int:
+def block_round(size: int) -> int:
+    """A block's size in the caching allocator: requests round up to 512 B."""
     return -(-size // 512) * 512
 
 
@@ -103,7 +104,7 @@ class CachingAllocator:
 
     # -- operations ------------------------------------------------------------------------------
     def malloc(self, tag: object, size: int) -> None:
-        size = _round(size)
+        size = block_round(size)
         if size <= SMALL_SIZE:
             self.small_live += size
             if self.small_live > self.small_reserved:
@@ -205,6 +206,7 @@ class MemoryModel:
         self.kv_tensors = 2 * int(model["layers"])  # a K and a V tensor per layer (flash-attn's paged layout)
         self.workspaces = int(mem["idle_workspace_bytes"])
         self.external = 0  # bytes other processes hold on the device
+        self.lazy = 0  # bytes taken after start-up outside the step trace: graph pools, workspaces (sensors.py)
         self._set_pool(num_blocks)
         self.logit_row = model["vocab"] * int(mem["logits_dtype_bytes"])
         self.prob_row = model["vocab"] * 4
@@ -225,7 +227,7 @@ class MemoryModel:
         self.num_blocks = num_blocks
         self.kv_pool = num_blocks * self.block_bytes
         self.persistent = self.weights + self.kv_pool + self.workspaces
-        self.limit = self.cuda_total - self.context - self.persistent - self.external
+        self.limit = self.cuda_total - self.context - self.persistent - self.external - self.lazy
 
     @property
     def idle_nvml_used(self) -> int:
@@ -259,6 +261,11 @@ class MemoryModel:
                 )
         self._set_pool(num_blocks)
         return staged
+
+    def set_lazy(self, nbytes: int) -> None:
+        """CUDA graph pools and cuBLAS workspaces now hold `nbytes` of the driver's memory (sensors.py)."""
+        self.lazy = nbytes
+        self._set_pool(self.num_blocks)
 
     def set_external(self, nbytes: int) -> int:
         """Another process holds `nbytes` of the device (0: it let go). It can only take what the driver
@@ -303,7 +310,7 @@ class MemoryModel:
 
     def device_used(self) -> int:
         """NVML's used bytes: this process's footprint plus what other processes hold."""
-        return self.context + self.persistent + self.reserved + self.external
+        return self.context + self.persistent + self.reserved + self.external + self.lazy
 
     def trace(self, m: StepMemory, held: int, new: int) -> list[tuple[str, object, int]]:
         """The step's dynamic allocations in order: (op, tag, bytes), op "a"llocate or "f"ree. The decoder

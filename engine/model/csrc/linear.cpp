@@ -1,10 +1,10 @@
 // The model's linears in bf16, y = x W^T, on AVX512-BF16's dot-product instruction (vdpbf16ps).
 //
-// Why our own: at the batch sizes of decoding a linear is a stream of its weights, and oneDNN streamed
-// them at about half this CPU's memory rate (bench/results/cpu_kernels.md); and its kernels promise
-// nothing about summation order, so a row could round differently with the batch's size.
+// Why our own: at the batch sizes of decoding a linear is a stream of its weights, which oneDNN reads
+// well below the CPU's memory rate (bench/results/cpu_kernels.md); and its kernels promise nothing about
+// summation order, so a row could round differently with the batch's size.
 //
-// Summation order: W is packed in blocks of 16 outputs, [N/16][K/2][16][2] (engine/cpu_kernels.py
+// Summation order: W is packed in blocks of 16 outputs, [N/16][K/2][16][2] (engine/model/cpu_kernels.py
 // `pack_linear`), so one 512-bit load holds the next pair of inputs' weights for 16 outputs. Output n's
 // fp32 accumulator adds the K/2 pairs x[2p]*W[n][2p] + x[2p+1]*W[n][2p+1] in order p = 0, 1, ...; it is
 // rounded to bf16 once. Which rows share a tile, how many rows the batch has and which thread runs a tile
@@ -41,8 +41,8 @@ void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, uint
             _mm256_storeu_si256((__m256i*)(y + r * ldy + c * BLOCK), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
 }
 
-// 8 rows x 3 blocks (48 outputs): 24 accumulators + 3 weights + 1 broadcast of the 32 registers. Against
-// 4 x 6 and 6 x 4 it was the fastest at 1 and 64 rows and within 10 % at 2048 (bench/results/cpu_kernels.md).
+// 8 rows x 3 blocks (48 outputs): 24 accumulators + 3 weights + 1 broadcast of the 32 registers. Of the
+// tilings that fit the registers (4 x 6, 6 x 4 too), the fastest at decode sizes (bench/results/cpu_kernels.md).
 constexpr int ROWS = 8;
 constexpr int BLOCKS = 3;
 

@@ -1,8 +1,8 @@
 // Paged attention on the CPU for a flattened ragged batch, reading K and V from the paged cache in place.
 //
 // Why a kernel of our own: written in torch, attention has to gather every sequence's blocks into
-// contiguous copies padded to the batch's longest context and run many tiny matmuls on them; on a small
-// CPU that was a quarter of a batch-1 decode step and half of a batch-64 one. Here each KV head of a tile
+// contiguous copies padded to the batch's longest context and run many tiny matmuls on them, which on a
+// small CPU costs more than the attention's arithmetic. Here each KV head of a tile
 // (one decode token, or up to 16 consecutive prefill tokens) is one work item that walks its own
 // sequence's context, so nothing is copied, padded or masked.
 //

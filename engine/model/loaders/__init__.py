@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from engine.model.llama import LlamaModel, ModelConfig
+from engine.model.llama import LlamaModel
 from engine.model.loaders.cache import ModelCache
 from engine.model.loaders.hf import read_hf
+from engine.model.model_config import ModelConfig
 from engine.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "default"

@@ -33,7 +33,7 @@ from safetensors.torch import save as safetensors_bytes
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.cache_dir import default_cache_dir
-from engine.model.llama import ModelConfig
+from engine.model.model_config import ModelConfig
 from engine.model.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1  # bump when the prepared layout or an entry's files change
@@ -50,7 +50,7 @@ def source_stamp(source: Path) -> list[tuple[str, int, int]]:
 
 
 def _crc32(path: Path) -> int:
-    """Over a mapping of the file: no copy out of the page cache (half the time of reading it)."""
+    """Over a mapping of the file: no copy out of the page cache."""
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         return zlib.crc32(data)
 

@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.model.llama import ModelConfig
+from engine.model.model_config import ModelConfig
 from engine.model.tokenizer import Tokenizer, special_tokens_processor
 
 SUPPORTED_TYPES = {
@@ -50,8 +50,8 @@ _GLOBAL_NAMES = {
 
 class _Reader(GGUFReader):
     """GGUFReader slices its np.memmap once per metadata value, and memmap's Python-level
-    __array_finalize__ makes that take ~10 s for a 49k-token vocabulary. A plain ndarray view of the same
-    mapping reads the same bytes in under half the time."""
+    __array_finalize__ makes that cost seconds for a large vocabulary. A plain ndarray view of the same
+    mapping reads the same bytes without that per-slice cost."""
 
     @property
     def data(self) -> np.ndarray:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.model.llama import ModelConfig
+from engine.model.model_config import ModelConfig
 from engine.model.tokenizer import Tokenizer, special_tokens_processor
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM"}

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.llama import LlamaModel, ModelConfig
+from engine.model.llama import LlamaModel
 from engine.model.loaders import LoadedModel
+from engine.model.model_config import ModelConfig
 from engine.serving.standin import StandInTokenizer
 
 INIT_STD = 0.02  # HF's initializer_range for Llama: keeps activations finite through every layer

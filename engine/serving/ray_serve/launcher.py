@@ -100,7 +100,7 @@ def stop(local: bool) -> None:
 
 def serve_fleet(ecfg: EngineConfig, scfg: ServerConfig) -> int:
     """Serve until SIGTERM or SIGINT, then shut down; 0 after a clean stop."""
-    logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(levelname)s %(message)s", stream=sys.stderr)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())

@@ -13,13 +13,13 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
 
-from controller.limits import UNLIMITED
 from engine.config import EngineConfig, ServerConfig
-from engine.core.llm_engine import EngineDeadError, LLMEngine
+from engine.core.llm_engine import EngineDeadError
 from engine.serving.launch import build_app
 from engine.serving.ray_serve.forwarding import ForwardedRequest, call_app
 from engine.serving.ray_serve.metrics_board import metrics_board
@@ -29,16 +29,6 @@ logger = logging.getLogger("headroom.ray")
 METRICS_PUSH_S = 1.0
 REPLICA_HEADER = b"x-headroom-replica"
 _METRICS = ForwardedRequest("GET", "/metrics", b"", (), b"", 0)
-
-
-def step_stats(engine: LLMEngine) -> dict[str, Any]:
-    """Run on the engine thread: the prompt tokens the next step admits and those queued to prefill."""
-    policy = engine.policy
-    effective = getattr(policy, "effective_prefill_tokens", None)
-    step_tokens = effective() if effective is not None else policy.limits().max_prefill_tokens
-    sched = engine.scheduler
-    queued = sum(max(0, seq.prompt_len - seq.num_computed) for seq in [*sched.waiting, *sched.running])
-    return {"effective_prefill_tokens": min(step_tokens, UNLIMITED), "queued_prefill_tokens": queued}
 
 
 class EngineReplica:
@@ -71,7 +61,7 @@ class EngineReplica:
             "published_at": time.time(),
         }
         with contextlib.suppress(EngineDeadError):
-            stats.update(await self.engine.query(step_stats))
+            stats.update(asdict(await self.engine.prefill_load()))
         return stats
 
     async def _metrics_text(self) -> str:

