@@ -103,9 +103,7 @@ def test_batched_greedy_equals_alone(invariant_dtype, reference, options):
 
 def test_preemption_keeps_greedy_tokens(invariant_dtype, reference):
     # 12 blocks of 16 tokens cannot hold 8 prompts of ~10-40 tokens plus growth: decodes preempt by recompute.
-    together, llm = generate_together(
-        invariant_dtype, num_blocks=12, kv_reserve_ratio=0.0, fixed_steps="mixed"
-    )
+    together, llm = generate_together(invariant_dtype, num_blocks=12, kv_reserve_ratio=0.0, fixed_steps="mixed")
     assert llm.engine.scheduler.num_preemptions > 0
     assert together == reference
     assert llm.engine.allocator.num_used == 0
