@@ -94,7 +94,7 @@ CONSTANTS = [
     ),
     (
         "seed policies",
-        "kv_reserve_extra_tokens = 1 (floor(tokens/256)+1 blocks)",
+        "SeedRules: one slot reserved past input + output (floor(tokens/256)+1 blocks)",
         "mechanism, not fitted",
         "held-out misses at exactly the three KV-bound points whose input + output is a multiple of 256; moves "
         "no other point at 64 blocks",
@@ -114,7 +114,7 @@ CONSTANTS = [
     ("rtx4090-llama3.1-8b-vllm", "[engine] 2588 blocks of 16", "fact", "the held-out run's config"),
     (
         "vllm policy",
-        "preempt_newest = true",
+        "VllmScheduler: the newest running request is the victim",
         "public fact",
         "vLLM v1's scheduler preempts `self.running.pop()` (the newest running request) when a decode finds no block",
     ),
