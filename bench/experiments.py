@@ -27,6 +27,7 @@ class Experiment:
     suite: str = ""
     needs: str = ""  # what a run needs beyond this checkout (a vLLM venv, root, ...)
     compared: tuple[str, ...] = ()  # outputs --check compares (default: every .md and .json)
+    commit: str = ""  # an older commit the experiment reads from the git history
 
     @property
     def deterministic(self) -> bool:
@@ -97,6 +98,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         "twin",
         6,
         "default",
+        needs="the git history back to commit e78227f (a shallow clone lacks it)",
+        commit="e78227f",
     ),
     Experiment(
         "oracle",
