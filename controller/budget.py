@@ -4,7 +4,8 @@ All parts come from the probes in the step records, never from config: the devic
 the idle footprint (weights, KV pool, workspaces) changes with the model, the backend and the pool size.
 - capacity: what the allocator may ever use (torch total_memory, or the emulated size);
 - external: bytes the device holds outside the allocator (CUDA context, NCCL, other processes), seen as
-  device_used - reserved; the largest recent value counts (a cache flush can hide it for a step);
+  device_used minus the allocator's reserved bytes of the same moment (a held NVML reading is paired with
+  those of its read, see _outside_of); the largest recent value counts (a cache flush can hide it for a step);
 - idle: the allocator's floor between steps (lowest idle baseline seen);
 - retained: what the previous step leaves allocated into the next one above that floor (e.g. an engine
   that keeps the last logits referenced). It is not known when the next step is packed, so the policy
@@ -132,9 +133,19 @@ class BudgetTracker:
         return m.idle_baseline - self.idle_floor
 
     def _outside_of(self, m: MemorySample) -> int | None:
-        """Device memory this sample says is held outside our allocator (None: it cannot tell, or not used)."""
+        """Device memory this sample says is held outside our allocator (None: it cannot tell, or not used).
+
+        A device-wide reading is only comparable with the allocator's bytes of the same moment. The probe reads
+        NVML at most every ~100 ms and holds the value between reads, while the allocator's stats are exact at
+        every step; after an empty_cache (a pool shrink, an OOM recovery, a graph capture) a held reading still
+        counts the bytes just given back. Subtracting this step's reserved bytes would call them another
+        process's, the pool would shrink for them, and the window maximum would keep them for its whole length,
+        starving every step of budget. So a held reading is paired with the reserved bytes it was read beside
+        (`device_used_reserved`): its estimate is exact as of its read, only late, and memory another process
+        takes meanwhile shows at the next read, as it would with no rate limit at all."""
         if self.use_device_used and m.device_used is not None and m.reserved > 0:
-            return m.device_used - m.reserved
+            paired = m.device_used_reserved
+            return m.device_used - (m.reserved if paired is None else paired)
         return None
 
     def external_at(self, m: MemorySample) -> int:

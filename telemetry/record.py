@@ -31,6 +31,11 @@ class MemorySample:
     idle_baseline: int = 0  # allocated bytes with no step running: weights, KV pool, workspaces
     capacity: int = 0  # bytes the allocator may use on this device (real or emulated)
     device_used: int | None = None  # NVML (or equivalent) used bytes, sampled
+    # The allocator's reserved bytes when a device_used held from an earlier step was read (None: device_used
+    # was read in this step). NVML is read at most every ~100 ms, so device_used lags the allocator: paired
+    # with this step's reserved, a reading taken before an empty_cache would count the bytes given back since
+    # as memory outside the allocator. Paired with the reserved bytes of its own moment, it stays exact.
+    device_used_reserved: int | None = None
     device_total: int | None = None
     alloc_retries: int = 0  # cumulative allocator retries (cudaMalloc failed, cache flushed, retried)
     ooms: int = 0  # cumulative allocator OOMs

@@ -3,7 +3,9 @@
 `reset_peak_memory_stats` on step entry makes `allocated_bytes.all.peak` the step's own peak (with the
 idle baseline under it); the allocator counts on the host at allocation time, so no synchronize is
 needed. NVML (when present) adds what the allocator cannot see (context, library workspaces, other
-processes); otherwise `mem_get_info` stands in for it at the same rate limit.
+processes); otherwise `mem_get_info` stands in for it at the same rate limit. Between reads the device-wide
+value is held, so a sample reports it with the allocator's reserved bytes of the moment it was read
+(`device_used_reserved`): after an empty_cache the held value still counts the bytes given back.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def pci_bus_id(device: int) -> str | None:
         return None
 
 
+def _reserved_now(stats: dict[str, Any]) -> int:
+    """The allocator's reserved bytes at the moment of `stats` (the peak where the current value is missing)."""
+    return int(stats.get("reserved_bytes.all.current", stats.get("reserved_bytes.all.peak", 0)))
+
+
 class CudaProbe:
     name = "cuda"
 
@@ -57,15 +64,20 @@ class CudaProbe:
         self._used: int | None = int(total) - int(free)
         self._info_time = clock()
         self._last = MemorySample(capacity=self.capacity, device_used=self._used, device_total=total)
+        # the allocator's reserved bytes when device_used was last read (see MemorySample.device_used_reserved)
+        self._read_reserved = _reserved_now(torch.cuda.memory_stats(device))
 
-    def _device_memory(self) -> tuple[int | None, int | None]:
+    def _device_memory(self) -> tuple[int | None, int | None, bool]:
+        """(used, total, whether this call read them from the driver rather than returning held values)."""
         if self.nvml is not None and self.nvml.available:
-            return self.nvml.read()
+            used, total = self.nvml.read()
+            return used, total, self.nvml.fresh
         now = self._clock()
         if now - self._info_time >= self.min_interval:
             free, total = _torch().cuda.mem_get_info(self.device)
             self._used, self._info_time = int(total) - int(free), now
-        return self._used, self.device_total
+            return self._used, self.device_total, True
+        return self._used, self.device_total, False
 
     @contextmanager
     def step(self, shape: StepShape) -> Iterator[None]:
@@ -77,13 +89,16 @@ class CudaProbe:
         finally:
             # Read even when the step raised (an OOM step's peak is the most informative one).
             stats = cuda.memory_stats(self.device)
-            used, total = self._device_memory()
+            used, total, fresh = self._device_memory()
+            if fresh:  # nothing allocates between the stats and the read: the same moment
+                self._read_reserved = _reserved_now(stats)
             self._last = MemorySample(
                 peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
                 reserved=int(stats.get("reserved_bytes.all.peak", 0)),
                 idle_baseline=idle,
                 capacity=self.capacity,
                 device_used=used,
+                device_used_reserved=None if fresh else self._read_reserved,
                 device_total=total,
                 alloc_retries=int(stats.get("num_alloc_retries", 0)),
                 ooms=int(stats.get("num_ooms", 0)),

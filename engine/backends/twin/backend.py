@@ -93,9 +93,9 @@ class TwinBackend:
         if self.lazy is not None:
             self.memory.set_lazy(self.lazy.reserved)
         period = float(self.profile.section("sensors")["nvml_period_s"]) if self.lazy is not None else None
-        self.nvml = NvmlSensor(period, self.memory.device_used())
+        self.nvml = NvmlSensor(period, self.memory.device_used(), self._reserved_now())
         self.probe = TwinProbe(self.memory.cuda_total, self.memory.persistent)
-        self.probe._last = self._sample(0, 0, 0, self.nvml.value)
+        self.probe._last = self._sample(0, 0, 0, (self.nvml.value, None))
         self.realtime = realtime
         self._t = 0.0
         self._wall0 = time.monotonic()
@@ -193,7 +193,8 @@ class TwinBackend:
 
     def _finish_step(self, duration: float, res: StepResult) -> None:
         m = self.memory
-        used = self.nvml.at(self.now() + duration, m.device_used())  # the probe reads NVML at the step's end
+        # the probe reads NVML at the step's end
+        used = self.nvml.at(self.now() + duration, m.device_used(), self._reserved_now())
         lazy = (self.lazy.captured, self.lazy.draws) if self.lazy is not None else None
         skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external, lazy, used)
         sample = self._samples.get(skey)
@@ -268,15 +269,22 @@ class TwinBackend:
         sensors see the new bytes at once, realistic ones at the probe's next NVML read."""
         m = self.memory
         held = m.set_external(nbytes)
-        self.probe._last = self._sample(m.allocated, m.reserved, m.allocated, self.nvml.at(None, m.device_used()))
+        used = self.nvml.at(None, m.device_used(), self._reserved_now())
+        self.probe._last = self._sample(m.allocated, m.reserved, m.allocated, used)
         return held
 
     def recover_from_oom(self) -> None:
         """torch.cuda.empty_cache(): hand every wholly free cached segment back to the driver."""
         self.memory.empty_cache()
 
-    def _sample(self, peak: int, reserved: int, before: int, used: int) -> MemorySample:
-        """The allocator's stats (graph pools and workspaces count in them) and NVML's `used` as reported."""
+    def _reserved_now(self) -> int:
+        """The allocator's reserved bytes now (reserved_bytes.all.current), as the sample's `reserved` counts them."""
+        m = self.memory
+        return m.persistent + m.lazy + m.reserved
+
+    def _sample(self, peak: int, reserved: int, before: int, used: tuple[int, int | None]) -> MemorySample:
+        """The allocator's stats (graph pools and workspaces count in them) and NVML's (used, reserved beside a
+        held reading) as reported."""
         m = self.memory
         held = m.persistent + (self.lazy.allocated if self.lazy is not None else 0)
         return MemorySample(
@@ -284,7 +292,8 @@ class TwinBackend:
             reserved=m.persistent + m.lazy + reserved,
             idle_baseline=held + before,
             capacity=m.cuda_total,
-            device_used=used,
+            device_used=used[0],
+            device_used_reserved=used[1],
             device_total=m.nvml_total,
             alloc_retries=m.retries,
             ooms=m.ooms,

@@ -4,7 +4,8 @@ the per-step allocator trace (`--twin-sensors`).
 `ideal` reports the modelled bytes exactly at every step. `realistic` reports them as a card would:
 - NVML's used bytes are device-wide and read by Headroom's probe at most every `nvml_period_s` (at a step's
   end, `telemetry/probes/nvml.py`), then held. A reading taken before an `empty_cache` still counts the bytes
-  it gave back until the next read, and the controller sees them as memory outside its allocator;
+  it gave back until the next read; the probe reports a held reading with the allocator's reserved bytes of
+  its read, so the controller does not take those bytes for memory outside its allocator (controller/budget.py);
 - decode CUDA graphs are captured on first use of their batch bucket (`engine/model/cuda_graphs.py`) into
   one private pool, and each capture's warm-up stream gets its own cuBLAS workspace. Both take driver memory
   after start-up, both count in the allocator's reserved bytes (PyTorch counts private-pool segments and the
@@ -24,23 +25,27 @@ from engine.backends.twin.profile import Profile
 class NvmlSensor:
     """NVML's used bytes as the probe reports them. `period` None: exact at every reading (ideal). Otherwise a
     reading at a step's end goes to the driver only when `period` seconds have passed since the last one
-    (NvmlProbe.read), and every other reading returns the value held since."""
+    (NvmlProbe.read), and every other reading returns the value held since, with the allocator's reserved
+    bytes of the moment it was read (what CudaProbe reports beside a held reading, MemorySample)."""
 
-    def __init__(self, period: float | None, used: int) -> None:
+    def __init__(self, period: float | None, used: int, reserved: int) -> None:
         self.period = period
         self.value = used  # the probe's first value (CudaProbe reads mem_get_info at construction)
+        self.reserved = reserved  # the allocator's reserved bytes when `value` was read
         self.read_at: float | None = None  # NvmlProbe's first read() always goes to the driver
         self.reads = 0
 
-    def at(self, now: float | None, used: int) -> int:
-        """The reported used bytes when the device holds `used`: read at `now` (a step's end), or between
-        steps (None), where the probe makes no driver call."""
+    def at(self, now: float | None, used: int, reserved: int) -> tuple[int, int | None]:
+        """The reported used bytes when the device holds `used` and the allocator `reserved`: read at `now` (a
+        step's end), or between steps (None), where the probe makes no driver call. Second: the reserved bytes
+        the reading was taken beside when it is held from earlier (None: read now)."""
         if self.period is None:
-            return used
+            return used, None
         if now is not None and (self.read_at is None or now - self.read_at >= self.period):
-            self.value, self.read_at = used, now
+            self.value, self.reserved, self.read_at = used, reserved, now
             self.reads += 1
-        return self.value
+            return used, None
+        return self.value, self.reserved
 
 
 class LazyMemory:
