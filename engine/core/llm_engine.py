@@ -89,7 +89,6 @@ class LLMEngine:
             self.allocator, policy, self.prefix_cache, can_swap=getattr(backend, "can_swap", False)
         )
         self._oom_hook: Callable[[LLMEngine], list[EngineOutput]] | None = getattr(policy, "on_oom", None)
-        self.requests: dict[str, Sequence] = {}
         self.healthy = True
         self.step_id = 0
         self.ooms = 0
@@ -98,6 +97,11 @@ class LLMEngine:
         self.finish_listeners: list[Callable[[Sequence], None]] = []
         self.phases = PhaseTimer()
         self._sampler_seconds = 0.0  # the backend's sampler_seconds at the last step
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """Every unfinished request, by id: the scheduler's registry, the one place a request is listed."""
+        return self.scheduler.requests
 
     @property
     def max_model_len(self) -> int:
@@ -112,12 +116,11 @@ class LLMEngine:
             raise RequestError(f"duplicate request id {request_id!r}")
         seq = Sequence(
             request_id,
-            list(prompt_ids),
+            tuple(prompt_ids),
             params,
             max_tokens=self._check(prompt_ids, params),
             arrival_time=self.backend.now() if arrival_time is None else arrival_time,
         )
-        self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
@@ -302,7 +305,6 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        del self.requests[seq.request_id]
         self.policy.observe_finished(len(seq.output_ids), seq.max_tokens, reason)
         for listener in self.finish_listeners:
             listener(seq)

@@ -38,11 +38,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self._finished: list[str] = []  # requests finished since the last output
-        self._seqs: dict[str, Sequence] = {}  # every unfinished request, by id
+        self.requests: dict[str, Sequence] = {}  # every unfinished request, by id (outputs name them by id)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self._seqs[seq.request_id] = seq
+        self.requests[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -254,7 +254,7 @@ class Scheduler:
         sampled = iter(model_output.sampled)
         advanced = []
         for item in out.items:
-            seq = self._seqs[item.request_id]
+            seq = self.requests[item.request_id]
             seq.num_computed = item.start + item.num_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(seq)
@@ -272,5 +272,5 @@ class Scheduler:
         seq.swapped_tokens = 0
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        del self._seqs[seq.request_id]
+        del self.requests[seq.request_id]
         self._finished.append(seq.request_id)
