@@ -7,12 +7,15 @@ suits both. So the block size follows the kernel: 256 where flash-attn runs (a C
 importable, a 16-bit dtype), else 16. An explicit block size is kept, and `auto` then takes flash only
 where that size suits it. On the CPU `auto` takes the C++ paged kernel (engine/model/cpu_kernels.py), which
 reads blocks of any size in place, and the torch kernel (`sdpa`) where those kernels cannot run (the
-backend logs a warning with the reason).
+backend logs a warning with the reason). A flash-attn older than 2.5 has no `block_table` (paged KV) and counts
+as missing.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,7 @@ from engine.model.cpu_kernels import unusable_reason as cpu_kernel_unusable_reas
 
 SMALL_BLOCK_SIZE = 16  # small blocks waste less of the pool; the cpu and sdpa kernels have no size rule
 FLASH_BLOCK_SIZE = FLASH_BLOCK_MULTIPLE
+FLASH_PAGED_KV_VERSION = (2, 5)  # flash-attn 2.5.0 added block_table to flash_attn_varlen_func
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,20 @@ def flash_unusable_reason(device: torch.device, dtype: torch.dtype) -> str | Non
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn needs a 16-bit dtype, dtype is {str(dtype).removeprefix('torch.')}"
     if importlib.util.find_spec("flash_attn") is None:
-        return "flash_attn is not installed (pip install flash-attn)"
+        return "flash_attn is not installed (the Dockerfile's gpu stage builds it; see the README)"
+    version = _flash_attn_version()
+    if version is not None and tuple(int(n) for n in re.findall(r"\d+", version)[:2]) < FLASH_PAGED_KV_VERSION:
+        return f"flash-attn {version} predates paged KV (block_table, 2.5); the `cuda` extra pins a newer one"
     return None
+
+
+def _flash_attn_version() -> str | None:
+    """The installed distribution's version, read without importing its CUDA extension; None for a module that
+    no distribution installed (a source tree, a test's stand-in)."""
+    try:
+        return importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def choose_kernel(attention: str, block_size: int | None, device: torch.device, dtype: torch.dtype) -> KernelChoice:

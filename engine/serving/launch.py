@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from engine.config import EngineConfig, ServerConfig
+from engine.core.kv_pool import StartupProfilingError
 from engine.core.llm_engine import LLMEngine
 from engine.core.sequence import Sequence
 from engine.factory import build_engine
@@ -151,7 +152,11 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> int:
     import uvicorn
 
     logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(levelname)s %(message)s", stream=sys.stderr)
-    app = build_app(ecfg, scfg)
+    try:
+        app = build_app(ecfg, scfg)
+    except StartupProfilingError as e:  # the device cannot run one step: a message, not a traceback
+        logger.error("%s", e)
+        return 1
     config = uvicorn.Config(
         app,
         host=scfg.host,

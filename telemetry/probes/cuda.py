@@ -3,7 +3,8 @@
 `reset_peak_memory_stats` on step entry makes `allocated_bytes.all.peak` the step's own peak (with the
 idle baseline under it); the allocator counts on the host at allocation time, so no synchronize is
 needed. NVML (when present) adds what the allocator cannot see (context, library workspaces, other
-processes); otherwise `mem_get_info` stands in for it at the same rate limit. Between reads the device-wide
+processes); otherwise (also on a MIG slice NVML cannot find: CUDA scopes `mem_get_info` to the slice)
+`mem_get_info` stands in for it at the same rate limit. Between reads the device-wide
 value is held, so a sample reports it with the allocator's reserved bytes of the moment it was read
 (`device_used_reserved`): after an empty_cache the held value still counts the bytes given back.
 """
@@ -34,6 +35,14 @@ def pci_bus_id(device: int) -> str | None:
         return None
 
 
+def device_uuid(device: int) -> str | None:
+    """The CUDA device's UUID: on a MIG slice the slice's own, which NVML needs to read the slice, not its GPU."""
+    try:
+        return str(_torch().cuda.get_device_properties(device).uuid)
+    except Exception:  # older torch without the field, or no device
+        return None
+
+
 def _reserved_now(stats: dict[str, Any]) -> int:
     """The allocator's reserved bytes at the moment of `stats` (the peak where the current value is missing)."""
     return int(stats.get("reserved_bytes.all.current", stats.get("reserved_bytes.all.peak", 0)))
@@ -56,6 +65,8 @@ class CudaProbe:
         torch = _torch()
         self.device = device
         self.nvml = nvml
+        if nvml is not None and nvml.uuid is None:  # NVML resolves its device on first use, after this
+            nvml.uuid = device_uuid(device)
         self.min_interval = min_interval
         self._clock = clock
         free, total = torch.cuda.mem_get_info(device)

@@ -4,6 +4,10 @@ Why besides torch's allocator stats: it sees memory outside the caching allocato
 cuBLAS/NCCL workspaces, other processes). It is a driver call, so it is rate-limited (default at most
 every 100 ms) rather than made every step. Without a driver or the `pynvml` module it reports None
 and never raises: a CPU box or a container without NVML must not break telemetry.
+
+On a MIG slice the bus id and the index name the parent GPU, whose memory info is the whole card's: there the
+probe reads the MIG device whose UUID CUDA reports for this process, and reports None (unknown) if it cannot
+find it, since the parent's numbers would put the controller's capacity at the whole card.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from telemetry.record import MemorySample, StepShape
 log = logging.getLogger(__name__)
 
 
+def _bare_uuid(uuid: str | bytes) -> str:
+    """CUDA prints a device's UUID bare; NVML prefixes it with "GPU-" or "MIG-" (older pynvml returns bytes)."""
+    text = uuid.decode() if isinstance(uuid, bytes) else uuid
+    return text.lower().removeprefix("gpu-").removeprefix("mig-")
+
+
 class NvmlProbe:
     """Rate-limited NVML reader; usable alone as a (coarse) MemoryProbe or inside CudaProbe."""
 
@@ -29,13 +39,16 @@ class NvmlProbe:
         index: int = 0,
         *,
         pci_bus_id: str | None = None,
+        uuid: str | None = None,
         min_interval: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`pci_bus_id` (preferred when known) survives CUDA_VISIBLE_DEVICES renumbering; `index` is the
-        NVML index, which is not the CUDA index when devices are hidden or reordered."""
+        NVML index, which is not the CUDA index when devices are hidden or reordered. `uuid` is the CUDA
+        device's (with or without NVML's "GPU-"/"MIG-" prefix): on a GPU in MIG mode it picks the slice."""
         self.index = index
         self.pci_bus_id = pci_bus_id
+        self.uuid = uuid
         self.min_interval = min_interval
         self._clock = clock
         self._nvml: Any = None
@@ -67,10 +80,39 @@ class NvmlProbe:
                     handle = None
             if handle is None:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
-            self._nvml, self._handle, self._state = pynvml, handle, "ok"
+            handle = self._mig_slice(pynvml, handle)
         except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, driver errors
             log.info("NVML not available (%s); device_used/device_total will be None", exc)
             self._state = "unavailable"
+            return
+        if handle is None:
+            log.warning(
+                "the GPU is in MIG mode and NVML finds no MIG device with this process's UUID (%s): its reads would "
+                "be the whole GPU's, so device_used/device_total will be None",
+                self.uuid,
+            )
+            self._state = "unavailable"
+            return
+        self._nvml, self._handle, self._state = pynvml, handle, "ok"
+
+    def _mig_slice(self, nvml: Any, handle: Any) -> Any:
+        """`handle`, or where its GPU is in MIG mode the handle of the MIG device with our UUID (None if none)."""
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        except Exception:  # NVMLError_NotSupported: a GPU without MIG
+            return handle
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            return handle
+        if not self.uuid:
+            return None
+        for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except Exception:  # NVMLError_NotFound: an empty slot
+                continue
+            if _bare_uuid(nvml.nvmlDeviceGetUUID(mig)) == _bare_uuid(self.uuid):
+                return mig
+        return None
 
     def read(self, force: bool = False) -> tuple[int | None, int | None]:
         """(used, total) bytes; refreshed from the driver at most every `min_interval` seconds."""
