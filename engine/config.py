@@ -110,7 +110,7 @@ class EngineConfig(_Config):
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
     twin_sensors: str = _opt(
         "ideal", "twin: ideal (exact bytes every step) or realistic (NVML device-wide and read every 0.1 s, "
-        "CUDA graph pools and cuBLAS workspaces taken lazily; engine/backends/twin/sensors.py)", TWIN_SENSORS,
+        "CUDA graph pools and cuBLAS workspaces; engine/backends/twin/sensors.py)", TWIN_SENSORS,
     )  # fmt: skip
     policy: str = _opt("adaptive", "who sets the batch limits", POLICIES, "policy")
     controller_config: str | None = _opt(None, "adaptive: controller config TOML", group="policy", flag="--config")

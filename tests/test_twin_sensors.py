@@ -1,5 +1,5 @@
 """The twin's realistic sensors (engine/backends/twin/sensors.py): NVML device-wide and read at the probe's
-period, CUDA graph pools and cuBLAS workspaces taken lazily; and the ideal sensors unchanged."""
+period, CUDA graph pools and cuBLAS workspaces held from start-up; and the ideal sensors unchanged."""
 
 from __future__ import annotations
 
@@ -48,12 +48,15 @@ def run(sensors: str, con: int, inp: int, out: int, n: int, on_step=None) -> tup
 
 
 def test_nvml_after_an_empty_cache_still_shows_the_freed_bytes_until_the_next_period():
-    _, seen = run("realistic", 1, 256, 32, 1)
+    def flush_after_the_prefill(backend: TwinBackend, seen: list[Seen]) -> None:
+        if len(seen) == 1:
+            backend.recover_from_oom()  # torch.cuda.empty_cache(), as an OOM recovery or a resize does
+
+    _, seen = run("realistic", 1, 256, 32, 1, flush_after_the_prefill)
     prefill, first_decode = seen[0], seen[1]
     assert prefill.reported == prefill.true  # the probe's first read goes to the driver
-    # The first decode captures its graph, and torch.cuda.graph empties the cache first: the prefill's
-    # 42 MiB workspace segment goes back to the driver (more than the new graph pool and workspaces take),
-    # but less than a period has passed, so NVML still reports the prefill's reading.
+    # The flush gave the prefill's 42 MiB workspace segment back to the driver, but less than a period has
+    # passed, so NVML still reports the prefill's reading.
     assert first_decode.end - prefill.end < PERIOD
     assert first_decode.reported == prefill.reported > first_decode.true
     # What the controller takes for memory outside its allocator grows by the bytes the flush gave back.
@@ -88,7 +91,7 @@ def test_nvml_is_device_wide_another_process_appears_at_the_next_read():
     after = [s for s in seen[state["at"] :] if s.reported == s.true]
     assert after and after[0].reported - seen[state["at"] - 1].true >= other - 64 * MIB
     m = backend.memory
-    assert m.device_used() == m.context + m.persistent + m.reserved + m.lazy + other
+    assert m.device_used() == m.context + m.persistent + m.reserved + m.graph_bytes + other
 
 
 def test_ideal_sensors_see_another_process_at_once():
@@ -98,32 +101,42 @@ def test_ideal_sensors_see_another_process_at_once():
     assert backend.probe.sample().device_used == before + (1 << 30)
 
 
-def workspaces(streams: int) -> int:
-    return streams * SENSORS["cublas_workspace_bytes"]
+def graph_pool_and_workspaces() -> int:
+    """Every bucket captured into one pool: the largest working set's segment, every graph's output, and a
+    cuBLAS workspace for each of the compute, warm-up and capture streams."""
+    buckets = SENSORS["graph_buckets"]
+    outputs = sum(-(-b * SENSORS["graph_output_row_bytes"] // 512) * 512 for b in buckets)
+    workspaces = 3 * SENSORS["cublas_workspace_bytes"]
+    return segment_size(max(buckets) * SENSORS["graph_work_row_bytes"]) + outputs + workspaces
 
 
-def test_graph_pools_appear_when_a_bucket_is_first_captured_and_count_in_device_used():
+def test_graph_pools_are_held_from_start_up_and_count_in_device_used():
+    backend = TwinBackend(num_blocks=64, sensors="realistic")
+    m = backend.memory
+    assert backend.graphs.captured == set(SENSORS["graph_buckets"])
+    assert m.graph_bytes == backend.graphs.reserved == graph_pool_and_workspaces()
+    first = backend.probe.sample()  # before any step: the controller's profile sees them
+    assert first.device_used == m.context + m.persistent + m.graph_bytes
     backend, seen = run("realistic", 3, 32, 64, 3)
-    lazy, m = backend.lazy, backend.memory
-    assert lazy.captured == {4}  # three decodes replay the graph of bucket 4, captured once
-    pool = segment_size(4 * SENSORS["graph_work_row_bytes"]) + 4 * SENSORS["graph_output_row_bytes"]
-    # the compute stream's workspace, the capture's warm-up stream and torch.cuda.graph's capture stream
-    assert m.lazy == lazy.reserved == pool + workspaces(3)
-    assert m.device_used() == m.context + m.persistent + m.reserved + m.lazy
-    assert all(s.reserved >= m.persistent + m.lazy for s in seen[1:])  # private pools count in reserved
+    assert backend.memory.graph_bytes == graph_pool_and_workspaces()  # no step took more
+    assert all(s.reserved >= backend.memory.persistent + backend.memory.graph_bytes for s in seen)
 
 
-def test_a_kv_resize_drops_the_graphs_and_they_are_captured_again():
+def test_a_kv_resize_drops_the_graphs_and_the_next_decode_captures_its_bucket_into_the_kept_pool():
     backend = TwinBackend(num_blocks=64, sensors="realistic")
     engine = LLMEngine(backend, SeedStaticPolicy())
     run_closed_loop(engine, 3, 3, 32, 64, fast=False)
-    assert backend.lazy.captured == {4}
     engine.resize_kv_pool(48)
-    assert backend.lazy.captured == frozenset() and backend.memory.lazy == workspaces(3)
-    run_closed_loop(LLMEngine(backend, SeedStaticPolicy()), 1, 1, 32, 16, fast=False)
-    assert backend.lazy.captured == {1}
-    pool = segment_size(SENSORS["graph_work_row_bytes"]) + SENSORS["graph_output_row_bytes"]
-    assert backend.memory.lazy == pool + workspaces(4)  # the new capture drew one more warm-up stream
+    assert backend.graphs.captured == frozenset() and backend.memory.graph_bytes == graph_pool_and_workspaces()
+    charged = []
+    engine = LLMEngine(backend, SeedStaticPolicy())
+    engine.step_listeners.append(lambda record, batch: charged.append((record.time, backend.now())))
+    busy = backend.busy_time
+    r = run_closed_loop(engine, 1, 1, 32, 16, fast=False)
+    assert backend.graphs.captured == {1} and backend.memory.graph_bytes == graph_pool_and_workspaces()
+    # the capture ran between the prefill and the first decode, on the clock and outside both steps
+    assert r.duration == pytest.approx(backend.busy_time - busy)
+    assert charged[1][0] - charged[0][1] == pytest.approx(SENSORS["graph_capture_s"])
 
 
 def test_graph_buckets_are_the_torch_backends():

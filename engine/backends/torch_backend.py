@@ -117,10 +117,15 @@ class TorchBackend:
         self._kv_host: dict[str, Any] = {}  # swapped-out requests' KV in host memory, by request id
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
         self.block_bytes = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
-        graphs_run = self.device.type == "cuda" and self.attention == "flash" and not enforce_eager
-        self.graphs = (
-            self.make_decode_graphs(cuda_graph_capture(torch.cuda.graph_pool_handle())) if graphs_run else None
-        )
+        if self.device.type == "cuda" and self.attention == "flash" and not enforce_eager:
+            self._capture_graphs_at_start()
+
+    def _capture_graphs_at_start(self) -> None:
+        """Every bucket's decode graph, now, so the idle footprint the controller profiles holds them, into a
+        pool kept for the process: graphs a resize drops give their blocks back to it, not to the driver."""
+        self._graph_pool = torch.cuda.MemPool()
+        self.graphs = self.make_decode_graphs(cuda_graph_capture(self._graph_pool.id))
+        self.graphs.capture_all()
 
     def _use_kernels(self, kernel: KernelChoice, asked: str) -> None:
         """Run the model's attention and elementwise ops on the C++ kernels where `kernel` chose them and the
@@ -164,18 +169,27 @@ class TorchBackend:
         empty_cache so the old tensors go back to the driver: one contiguous tensor per layer is what
         flash-attn's paged kernel needs, the transient is the growth plus one tensor, and a copy at
         device bandwidth costs milliseconds. CUDA virtual memory (cuMemMap) would grow in place without
-        the copy, but needs a binding we do not ship. A grow that runs out of memory part way raises
-        torch.OutOfMemoryError with num_blocks unchanged: every tensor is whole and holds at least the
-        old blocks, so the pool is still a correct pool of the old size. A shrink's transient is one
-        new tensor, smaller than the old one it replaces.
+        the copy, but needs a binding we do not ship. A shrink's transient is one new tensor, smaller than
+        the old one it replaces.
+
+        A grow that runs out of memory part way is rolled back (a shrink to the old size, which never needs more
+        memory than it frees) and raises torch.OutOfMemoryError: every tensor is whole and of the old size, and
+        the pool holds no bytes it cannot use. Whether it succeeded or not, some tensors were replaced, so the
+        CUDA graphs, which captured the old ones, are dropped; `prepare` captures them again.
         """
         t0 = time.perf_counter()
-        resize_kv_cache(self.kv_caches, plan.num_blocks, plan.moves)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            resize_kv_cache(self.kv_caches, plan.num_blocks, plan.moves)
+        except torch.OutOfMemoryError:
+            if plan.num_blocks > plan.old_num_blocks:
+                resize_kv_cache(self.kv_caches, plan.old_num_blocks, {})
+            raise
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if self.graphs is not None:
+                self.graphs = self.make_decode_graphs(self.graphs.capture)
         self.num_blocks = plan.num_blocks
-        if self.graphs is not None:  # they captured the old tensors
-            self.graphs = self.make_decode_graphs(self.graphs.capture)
         if hasattr(self.probe, "idle_bytes"):  # computed probes (CPU) are told the new footprint
             self.probe.idle_bytes += plan.delta * self.block_bytes
         return time.perf_counter() - t0
@@ -218,18 +232,38 @@ class TorchBackend:
 
         return DecodeGraphs(forward, width, self.device, capture)
 
-    def _graph_decode(self, batch: SchedulerOutput, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+    def capture_graphs(self) -> None:
+        """Every bucket's graph, after the start-up pool sizing resized the pool and so dropped the graphs
+        captured with the backend: serving then starts with all of them, as vLLM's does."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
+    def _graph_fits(self, batch: SchedulerOutput) -> bool:
+        """Whether the step replays a CUDA graph: decode-only, within the largest bucket and the tables' width."""
+        items = batch.items
+        return (
+            self.graphs is not None
+            and all(it.num_tokens == 1 and it.sample for it in items)
+            and self.graphs.fits(len(items), max(len(it.block_table) for it in items))
+        )
+
+    def prepare(self, batch: SchedulerOutput) -> None:
+        """Before the step, outside its measurement (Backend.prepare): the graph it replays, if a resize dropped it."""
+        if batch.items and self._graph_fits(batch):
+            self.graphs.prepare(*self._graph_inputs(batch))
+
+    def _graph_inputs(self, batch: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+        """A decode-only step's token ids, positions, KV slots and block tables, a row per sequence."""
+        items, bs = batch.items, self.block_size
+        positions = [it.start for it in items]
+        tables = [it.block_table for it in items]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        return [it.token_ids[0] for it in items], positions, slots, tables
+
+    def _graph_decode(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """The hidden states of a decode-only step replayed from its CUDA graph; None where the step runs
         eagerly (no graphs, a prefill in it, a batch above the largest bucket, a failed capture)."""
-        items = batch.items
-        if self.graphs is None or not all(it.num_tokens == 1 and it.sample for it in items):
-            return None
-        tables = [it.block_table for it in items]
-        if not self.graphs.fits(len(items), max(map(len, tables))):
-            return None
-        bs = self.block_size
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
-        return self.graphs.run(ids, positions, slots, tables)
+        return self.graphs.run(*self._graph_inputs(batch)) if self._graph_fits(batch) else None
 
     def warm_up(self) -> float:
         """A prefill of up to WARM_UP_TOKENS tokens and one decode step, into the pool's first blocks before
@@ -273,7 +307,7 @@ class TorchBackend:
                 rows.append(len(ids) - 1)
         if not batch.items:
             return EMPTY
-        hidden = self._graph_decode(batch, ids, positions)
+        hidden = self._graph_decode(batch)
         if hidden is None:
             meta = build_attention_metadata(
                 [(it.start, it.num_tokens, it.block_table) for it in batch.items],

@@ -52,7 +52,11 @@ class Backend(Protocol):
 
     def resize_kv(self, plan: ResizePlan) -> float:
         """Resize the KV tensors to `plan` (copying the blocks in plan.moves) and set num_blocks; returns
-        the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged, when it cannot."""
+        the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged and every tensor whole, when
+        it cannot.
+
+        Optional, `prepare(batch)`: work a backend does before a step and outside its measurement (the CUDA
+        graph of the step's batch bucket, captured again after a resize), so the probe's step is the step's own."""
         ...
 
 
@@ -232,6 +236,8 @@ class LLMEngine:
                 self.backend.swap(batch.swap_out, batch.swap_in)
         if not batch.items:
             return []
+        if (prepare := getattr(self.backend, "prepare", None)) is not None:
+            prepare(batch)
         start = self.backend.now()
         oom = False
         wall = time.perf_counter()

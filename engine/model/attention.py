@@ -79,6 +79,8 @@ def resize_kv_cache(caches: list[KVCache], num_blocks: int, moves: dict[int, int
     for layer in range(len(caches)):
         for which in (0, 1):
             old = caches[layer][which]
+            if old.shape[0] == num_blocks and not moves:  # already this size (a grow rolled back part way)
+                continue
             if moves:
                 old.index_copy_(0, dst, old.index_select(0, src))
             keep = min(num_blocks, old.shape[0])

@@ -14,7 +14,13 @@ What a graph needs, and where it comes from:
   reads them from `cache_seqlens` on the device (engine/model/attention.py, backend "flash_decode"); the sdpa
   kernel sizes its gathers on the host, so it runs eagerly;
 - the KV tensors it captured: a pool resize replaces them, so the backend drops every graph then and
-  captures again on first use.
+  captures a bucket again before its next decode step (`prepare`).
+Where the memory goes, and why the controller sees it: every bucket is captured at start-up, largest first,
+into one private pool (a torch.cuda.MemPool the backend keeps), before the controller's profiling steps, so
+the pool and the cuBLAS workspaces are in the idle footprint those steps measure; a capture after a resize
+reuses the kept pool, so it takes no new memory, and it runs between steps, outside any measured step. Every
+capture warms up on the same side stream: a stream's first GEMM gets a cuBLAS workspace for the life of the
+process, so a fresh stream per capture would add one per bucket.
 Prefills and mixed steps, batches above the largest bucket, and `--enforce-eager` run eagerly. A capture
 that fails turns graphs off for the process (logged), and the step runs eagerly.
 """
@@ -48,12 +54,12 @@ def pad_rows(values: list, size: int) -> list:
     return values + [values[-1]] * (size - len(values))
 
 
-def cuda_graph_capture(pool: object) -> Capture:
-    """A capture into `pool` (shared by every bucket): warm up on a side stream as torch.cuda.graph
+def cuda_graph_capture(pool: tuple[int, int]) -> Capture:
+    """A capture into `pool` (shared by every bucket): warm up on the side stream as torch.cuda.graph
     requires, record, and return the replay, which hands back the graph's static output."""
+    side = torch.cuda.Stream()
 
     def capture(fn: Callable[[], torch.Tensor]) -> Replay:
-        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
@@ -110,13 +116,9 @@ class DecodeGraphs:
     def fits(self, n: int, longest_table: int) -> bool:
         return not self.disabled and bucket_for(n, self.sizes) is not None and longest_table <= self.width
 
-    def run(
-        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
-    ) -> torch.Tensor | None:
-        """Hidden states [n, D] of a decode step of n = len(ids) sequences (the caller checked `fits`), or
-        None when its graph cannot be captured (graphs are then off; run the step eagerly)."""
-        n = len(ids)
-        size = bucket_for(n, self.sizes)
+    def load(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> int:
+        """Copy a decode step's inputs into the static buffers, padded to its bucket; returns the bucket."""
+        size = bucket_for(len(ids), self.sizes)
         rows = [t + [0] * (self.width - len(t)) for t in pad_rows(tables, size)]
         host = torch.tensor([pad_rows(ids, size), pad_rows(positions, size), pad_rows(slots, size)], dtype=torch.long)
         self.ids[:size].copy_(host[0], non_blocking=True)
@@ -124,12 +126,35 @@ class DecodeGraphs:
         self.meta.slot_mapping[:size].copy_(host[2], non_blocking=True)
         self.meta.seq_lens[:size].copy_(host[1] + 1, non_blocking=True)
         self.meta.block_tables[:size].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        replay = self.replays.get(size)
-        if replay is None:
-            replay = self._capture(size)
-            if replay is None:
-                return None
-        return replay()[:n]
+        return size
+
+    def run(
+        self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
+    ) -> torch.Tensor | None:
+        """Hidden states [n, D] of a decode step of n = len(ids) sequences (the caller checked `fits`), or
+        None when its graph cannot be captured (graphs are then off; run the step eagerly)."""
+        size = self.load(ids, positions, slots, tables)
+        replay = self.replays.get(size) or self._capture(size)
+        return None if replay is None else replay()[: len(ids)]
+
+    def prepare(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> None:
+        """Capture the graph the decode step with these inputs replays if it has none (a resize dropped it),
+        between steps, so that the capture's time and memory are not the step's. The capture runs the forward
+        over the step's own inputs: it writes the K and V the step will write again, and no other slot (the
+        buffers' last contents may name blocks that now hold another sequence's tokens)."""
+        size = bucket_for(len(ids), self.sizes)
+        if size not in self.replays:
+            self.load(ids, positions, slots, tables)
+            self._capture(size)
+
+    def capture_all(self) -> None:
+        """Every bucket, largest first: the pool's segment is cut once for the largest working set, and each
+        smaller capture reuses its freed blocks. Only before any request holds a block: the buffers' inputs
+        write K and V into the pool's first slots."""
+        for size in reversed(self.sizes):
+            if self.disabled:
+                return
+            self._capture(size)
 
     def _capture(self, size: int) -> Replay | None:
         meta = DecodeGraphMetadata(

@@ -15,7 +15,7 @@ from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.backends.twin.memo import LRUMemo
 from engine.backends.twin.memory import MEMO_SIZE, DeviceOOM, MemoryModel, StepMemory, StepResult
 from engine.backends.twin.profile import DEFAULT_PROFILE, Profile, load_profile
-from engine.backends.twin.sensors import LazyMemory, NvmlSensor
+from engine.backends.twin.sensors import GraphMemory, NvmlSensor
 from engine.config import TWIN_SENSORS
 from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
@@ -89,10 +89,10 @@ class TwinBackend:
         self.logits_all = bool(eng["logits_all_prompt_tokens"])
         self.latency = _latency_model(self.profile)  # read-only after construction: shared
         self.memory = MemoryModel(self.profile, num_blocks, block_size)
-        self.lazy = LazyMemory.from_profile(self.profile) if sensors == "realistic" else None
-        if self.lazy is not None:
-            self.memory.set_lazy(self.lazy.reserved)
-        period = float(self.profile.section("sensors")["nvml_period_s"]) if self.lazy is not None else None
+        self.graphs = GraphMemory.from_profile(self.profile) if sensors == "realistic" else None
+        if self.graphs is not None:
+            self.memory.set_graph_bytes(self.graphs.reserved)
+        period = float(self.profile.section("sensors")["nvml_period_s"]) if self.graphs is not None else None
         self.nvml = NvmlSensor(period, self.memory.device_used(), self._reserved_now())
         self.probe = TwinProbe(self.memory.cuda_total, self.memory.persistent)
         self.probe._last = self._sample(0, 0, 0, (self.nvml.value, None))
@@ -138,8 +138,6 @@ class TwinBackend:
         """Advance the virtual clock by the modelled step time and replay the step's allocations; raises
         torch.OutOfMemoryError (after charging the time) when the allocator cannot place them."""
         work = self.work(batch)
-        if not work.prefills:
-            self._capture(work.decode_seqs)
         res = self._run(self.latency.step_time(work), StepMemory(work.logits_rows, work.sampled, len(work.prefills)))
         if res.oom is not None:
             import torch  # only for the exception type a real device raises
@@ -160,7 +158,7 @@ class TwinBackend:
         """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
         model it, for the bench's fast path (bench.loadgen). Returns False and changes nothing when
         the step would start at or after `until` or would run out of memory: the engine runs that one."""
-        if self.now() >= until or (self.lazy is not None and self.lazy.needs_capture(n)):
+        if self.now() >= until or (self.graphs is not None and self.graphs.needs_capture(n)):
             return False
         m = self.memory
         saved = m.checkpoint()
@@ -177,26 +175,30 @@ class TwinBackend:
         self._finish_step(duration, res)
         return res
 
-    def _capture(self, n: int) -> None:
-        """Realistic sensors: a decode step of `n` whose bucket has no graph yet captures one first. The capture
-        empties the allocator's cache (torch.cuda.graph does) and takes its pool and workspaces from the
-        driver; when the driver has too little, the capture fails and decode runs eagerly from then on."""
-        lazy, m = self.lazy, self.memory
-        if lazy is None or not lazy.needs_capture(n):
+    def prepare(self, batch: SchedulerOutput) -> None:
+        """Before a step, outside its measurement (the engine calls it): under realistic sensors a decode-only
+        step whose bucket lost its graph to a KV resize captures it again, into the kept pool, so no memory
+        moves; torch.cuda.graph empties the allocator's cache first, and the capture's time is charged."""
+        graphs, n = self.graphs, len(batch.items)
+        if graphs is None or not graphs.needs_capture(n) or any(it.is_prefill for it in batch.items):
             return
-        m.empty_cache()
-        if lazy.capture_growth(n) > m.driver_free:
-            lazy.disabled = True
-            return
-        lazy.capture(n)
-        m.set_lazy(lazy.reserved)
+        self.memory.empty_cache()
+        graphs.capture(n)
+        self._charge(graphs.capture_s)
+
+    def capture_graphs(self) -> None:
+        """Every bucket's graph captured again after the start-up pool sizing resized the pool (torch backend's
+        capture_graphs); charged to the clock, before any request arrives."""
+        if self.graphs is not None:
+            self._charge(self.graphs.capture_s * len(set(self.graphs.buckets) - self.graphs.captured))
+            self.graphs.capture_all()
 
     def _finish_step(self, duration: float, res: StepResult) -> None:
         m = self.memory
         # the probe reads NVML at the step's end
         used = self.nvml.at(self.now() + duration, m.device_used(), self._reserved_now())
-        lazy = (self.lazy.captured, self.lazy.draws) if self.lazy is not None else None
-        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external, lazy, used)
+        graphs = self.graphs.captured if self.graphs is not None else None
+        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external, graphs, used)
         sample = self._samples.get(skey)
         if sample is None:
             sample = self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before, used)
@@ -226,9 +228,8 @@ class TwinBackend:
             raise torch.OutOfMemoryError(str(e)) from e
         self.num_blocks = plan.num_blocks
         self.probe.idle_bytes = m.persistent
-        if self.lazy is not None:  # the graphs captured the old KV tensors
-            self.lazy.release_graphs()
-            m.set_lazy(self.lazy.reserved)
+        if self.graphs is not None:  # they captured the old KV tensors
+            self.graphs.release_graphs()
         return self._charge(self.resize_cost(plan, staged))
 
     can_swap = True
@@ -280,16 +281,16 @@ class TwinBackend:
     def _reserved_now(self) -> int:
         """The allocator's reserved bytes now (reserved_bytes.all.current), as the sample's `reserved` counts them."""
         m = self.memory
-        return m.persistent + m.lazy + m.reserved
+        return m.persistent + m.graph_bytes + m.reserved
 
     def _sample(self, peak: int, reserved: int, before: int, used: tuple[int, int | None]) -> MemorySample:
         """The allocator's stats (graph pools and workspaces count in them) and NVML's (used, reserved beside a
         held reading) as reported."""
         m = self.memory
-        held = m.persistent + (self.lazy.allocated if self.lazy is not None else 0)
+        held = m.persistent + (self.graphs.allocated if self.graphs is not None else 0)
         return MemorySample(
             peak_allocated=held + peak,
-            reserved=m.persistent + m.lazy + reserved,
+            reserved=m.persistent + m.graph_bytes + reserved,
             idle_baseline=held + before,
             capacity=m.cuda_total,
             device_used=used[0],

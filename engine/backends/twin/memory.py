@@ -206,7 +206,7 @@ class MemoryModel:
         self.kv_tensors = 2 * int(model["layers"])  # a K and a V tensor per layer (flash-attn's paged layout)
         self.workspaces = int(mem["idle_workspace_bytes"])
         self.external = 0  # bytes other processes hold on the device
-        self.lazy = 0  # bytes taken after start-up outside the step trace: graph pools, workspaces (sensors.py)
+        self.graph_bytes = 0  # CUDA graph pool and cuBLAS workspaces, outside the step trace (sensors.py)
         self._set_pool(num_blocks)
         self.logit_row = model["vocab"] * int(mem["logits_dtype_bytes"])
         self.prob_row = model["vocab"] * 4
@@ -227,7 +227,7 @@ class MemoryModel:
         self.num_blocks = num_blocks
         self.kv_pool = num_blocks * self.block_bytes
         self.persistent = self.weights + self.kv_pool + self.workspaces
-        self.limit = self.cuda_total - self.context - self.persistent - self.external - self.lazy
+        self.limit = self.cuda_total - self.context - self.persistent - self.external - self.graph_bytes
 
     @property
     def idle_nvml_used(self) -> int:
@@ -262,9 +262,9 @@ class MemoryModel:
         self._set_pool(num_blocks)
         return staged
 
-    def set_lazy(self, nbytes: int) -> None:
-        """CUDA graph pools and cuBLAS workspaces now hold `nbytes` of the driver's memory (sensors.py)."""
-        self.lazy = nbytes
+    def set_graph_bytes(self, nbytes: int) -> None:
+        """CUDA graph pools and cuBLAS workspaces hold `nbytes` of the driver's memory (sensors.py)."""
+        self.graph_bytes = nbytes
         self._set_pool(self.num_blocks)
 
     def set_external(self, nbytes: int) -> int:
@@ -275,6 +275,25 @@ class MemoryModel:
         self.external = max(0, min(nbytes, self.driver_free))
         self._set_pool(self.num_blocks)
         return self.external
+
+    def fragment(self, sizes: tuple[int, ...]) -> None:
+        """Fault injection (bench/fault_campaign.py): another user of this allocator frees what it held, then
+        carves blocks of `sizes` (each over 1 MiB) in order out of a cached segment of their sum and frees every
+        other one, from the first: the live ones split the segment and pin it against a flush until the next
+        call. When the driver cannot give that segment (after a flush), that user takes nothing."""
+        a = CachingAllocator.from_key(self.limit, self.state)
+        for tag in [t for t in a._where if isinstance(t, tuple)]:  # only this method's tags are tuples
+            a.free(tag)
+        try:
+            a.malloc(("fragment",), sum(block_round(s) for s in sizes))
+            a.free(("fragment",))
+        except DeviceOOM:
+            sizes = ()
+        for i, size in enumerate(sizes):
+            a.malloc(("fragment", i), size)
+        for i in range(0, len(sizes), 2):
+            a.free(("fragment", i))
+        self.state_id, self._current = self._intern(a.key())
 
     def _intern(self, key: tuple) -> tuple[int, tuple[tuple, int]]:
         sid = self._state_ids.get(key)
@@ -310,7 +329,7 @@ class MemoryModel:
 
     def device_used(self) -> int:
         """NVML's used bytes: this process's footprint plus what other processes hold."""
-        return self.context + self.persistent + self.reserved + self.external + self.lazy
+        return self.context + self.persistent + self.reserved + self.external + self.graph_bytes
 
     def trace(self, m: StepMemory, held: int, new: int) -> list[tuple[str, object, int]]:
         """The step's dynamic allocations in order: (op, tag, bytes), op "a"llocate or "f"ree. The decoder

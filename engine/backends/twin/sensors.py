@@ -6,10 +6,11 @@ the per-step allocator trace (`--twin-sensors`).
   end, `telemetry/probes/nvml.py`), then held. A reading taken before an `empty_cache` still counts the bytes
   it gave back until the next read; the probe reports a held reading with the allocator's reserved bytes of
   its read, so the controller does not take those bytes for memory outside its allocator (controller/budget.py);
-- decode CUDA graphs are captured on first use of their batch bucket (`engine/model/cuda_graphs.py`) into
-  one private pool, and each capture's warm-up stream gets its own cuBLAS workspace. Both take driver memory
-  after start-up, both count in the allocator's reserved bytes (PyTorch counts private-pool segments and the
-  workspaces it allocates through the caching allocator), and a KV resize drops the graphs.
+- decode CUDA graphs are captured for every batch bucket at start-up (`engine/model/cuda_graphs.py`) into one
+  private pool the backend keeps, with a cuBLAS workspace per stream that ran a GEMM. Both hold driver memory
+  from before the first step (so the controller's start-up profile counts them), both count in the allocator's
+  reserved bytes (PyTorch counts private-pool segments and the workspaces it allocates through the caching
+  allocator), and a KV resize drops the graphs, which are captured again between steps.
 
 Every constant comes from the profile's [sensors] section, labelled there as fact or hypothesis.
 """
@@ -17,6 +18,7 @@ Every constant comes from the profile's [sensors] section, labelled there as fac
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterable
 
 from engine.backends.twin.memory import block_round, segment_size
 from engine.backends.twin.profile import Profile
@@ -48,73 +50,65 @@ class NvmlSensor:
         return self.value, self.reserved
 
 
-class LazyMemory:
-    """CUDA graph pools and cuBLAS workspaces: memory taken after start-up, outside the step trace.
+class GraphMemory:
+    """CUDA graph pools and cuBLAS workspaces: driver memory held beside the weights and the KV pool, outside
+    the per-step allocator trace, as the torch backend takes it (engine/model/cuda_graphs.py).
 
-    Captures share one private pool: a capture reuses what earlier captures freed, so the pool holds the
-    largest working set captured (in its cudaMalloc'd segment) plus every captured graph's output. The
-    compute stream has a workspace from start-up; each capture draws a fresh warm-up stream from PyTorch's
-    round-robin stream pool (and the first also the graph capture stream), and a stream's workspace lives as
-    long as the process."""
+    Every bucket is captured at start-up, largest first, into one private pool that the backend keeps alive
+    (a torch.cuda.MemPool): a capture reuses what the larger one freed, so the pool holds the largest working
+    set (its cudaMalloc'd segment) plus every graph's output. A KV resize drops the graphs, their outputs go
+    back to the kept pool, and a bucket is captured again into it before its next decode step, outside the
+    step's measurement: the pool's reserved bytes never change after start-up, only the capture time is paid.
+    Three streams hold a cuBLAS workspace for the life of the process: the compute stream, the one warm-up
+    stream every capture reuses and torch.cuda.graph's capture stream."""
+
+    STREAMS = 3
 
     def __init__(self, section: dict) -> None:
         self.buckets = tuple(sorted(int(b) for b in section["graph_buckets"]))
         self.work_row = int(section["graph_work_row_bytes"])
         self.output_row = int(section["graph_output_row_bytes"])
         self.workspace = int(section["cublas_workspace_bytes"])
-        self.stream_pool = int(section["stream_pool_size"])
+        self.capture_s = float(section["graph_capture_s"])
         self.captured: frozenset[int] = frozenset()
-        self.draws = 0  # streams drawn from the pool so far
-        self.disabled = False  # a capture failed: decode runs eagerly from then on (cuda_graphs.py)
+        self.capture_all()
 
     @classmethod
-    def from_profile(cls, profile: Profile) -> LazyMemory:
+    def from_profile(cls, profile: Profile) -> GraphMemory:
         return cls(profile.section("sensors"))
 
     def bucket(self, n: int) -> int | None:
-        """The bucket a decode step of `n` replays; None when it runs eagerly (too large, or graphs off)."""
+        """The bucket a decode step of `n` replays; None when it runs eagerly (too large, or no graphs)."""
         i = bisect_left(self.buckets, n)
-        return self.buckets[i] if i < len(self.buckets) and not self.disabled else None
+        return self.buckets[i] if i < len(self.buckets) else None
 
     def needs_capture(self, n: int) -> bool:
         b = self.bucket(n)
         return b is not None and b not in self.captured
 
-    def _outputs(self, captured: frozenset[int]) -> int:
-        return sum(block_round(b * self.output_row) for b in captured)
-
-    def _pool(self, captured: frozenset[int]) -> int:
-        if not captured:
-            return 0
-        return segment_size(max(captured) * self.work_row) + self._outputs(captured)
-
-    def _workspaces(self, draws: int) -> int:
-        return self.workspace * (1 + min(draws, self.stream_pool))
-
-    def _draws_after_capture(self) -> int:
-        return self.draws + (2 if self.draws == 0 else 1)  # the first capture also makes the capture stream
-
-    def capture_growth(self, n: int) -> int:
-        """Driver bytes the capture of `n`'s bucket takes (pool growth and new streams' workspaces)."""
-        after = self._pool(self.captured | {self.bucket(n)}) + self._workspaces(self._draws_after_capture())
-        return after - self.reserved
-
     def capture(self, n: int) -> None:
         self.captured = self.captured | {self.bucket(n)}
-        self.draws = self._draws_after_capture()
+
+    def capture_all(self) -> None:
+        self.captured = frozenset(self.buckets)
 
     def release_graphs(self) -> None:
-        """A KV resize replaces the tensors the graphs captured: they are dropped, their pool goes back to the
-        driver (the backend empties the cache after a resize), and buckets are captured again on first use."""
+        """A KV resize replaces the tensors the graphs captured: they are dropped (the pool is kept)."""
         self.captured = frozenset()
+
+    def _outputs(self, buckets: Iterable[int]) -> int:
+        return sum(block_round(b * self.output_row) for b in buckets)
 
     @property
     def reserved(self) -> int:
-        """Bytes held from the driver: the graph pool and every workspace."""
-        return self._pool(self.captured) + self._workspaces(self.draws)
+        """Bytes held from the driver: the pool as start-up left it, and the workspaces."""
+        workspaces = self.STREAMS * self.workspace
+        if not self.buckets:
+            return workspaces
+        return segment_size(self.buckets[-1] * self.work_row) + self._outputs(self.buckets) + workspaces
 
     @property
     def allocated(self) -> int:
-        """Of those, bytes live in the allocator's stats: the workspaces and the graphs' outputs (a graph's
-        intermediates are free blocks of its pool)."""
-        return self._outputs(self.captured) + self._workspaces(self.draws)
+        """Of those, bytes live in the allocator's stats: the workspaces and the live graphs' outputs (a graph's
+        intermediates and a dropped graph's output are free blocks of the kept pool)."""
+        return self._outputs(self.captured) + self.STREAMS * self.workspace
