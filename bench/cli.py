@@ -70,8 +70,7 @@ def _settings(cfg: EngineConfig) -> dict[str, object]:
     if cfg.backend == "twin":  # cheap to build: resolve the defaults exactly as the runs do
         b = build_backend(cfg)
         settings.update(profile=cfg.profile, model=b.model_name, num_blocks=b.num_blocks, block_size=b.block_size)
-        if cfg.twin_sensors != "ideal":  # only then: ideal runs write the committed results byte for byte
-            settings["twin_sensors"] = cfg.twin_sensors
+        settings["twin_sensors"] = cfg.twin_sensors
     if sizes_kv_pool(cfg):
         settings["num_blocks"] = "sized by the controller (each point's kv_pool_peak_blocks)"
     return settings

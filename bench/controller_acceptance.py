@@ -30,6 +30,8 @@ def matrix_cmd(policy: str, blocks: int, out: Path) -> list[str]:
         "matrix",
         "--backend",
         "twin",
+        "--twin-sensors",
+        "ideal",  # against the seed's rules as calibrated: exact sensors, as the facts were taken
         "--policy",
         policy,
         "--num-blocks",

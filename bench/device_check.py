@@ -1,81 +1,81 @@
-"""The device check: what the torch backend does on a lent GPU, beside what the twin
-predicts for the same shapes. `python -m bench.device_check` (bench/device_check.sh runs it after the
-CUDA-marked tests); `--device cpu --tiny` is the smoke mode the default suite runs.
+"""The device check: what the torch backend does on a lent GPU, beside what the twin predicts for the same
+requests. `bash bench/device_check.sh` runs it after the CUDA-marked tests; `--device cpu --tiny` is the smoke run
+of the default suite (tests/test_device_check.py).
 
-It builds a random-weight Llama of Llama-3.1-8B's shape (the twin profile's [model] section; no download),
-bf16, with the attention kernel `auto` picks, and measures through the real engine step:
-- TPOT: the median decode-only step at batch 1, 16 and 64 (CUDA graphs, and eager beside them);
-- the allocator peak of one 4096-token prefill step above what was allocated before it;
-- one KV pool resize, grow and shrink.
-The twin models an RTX 4090 running the seed engine; the lent GPU is an H200. Both are printed side by side
-and nothing fails on the difference: the point is to see how far the twin's model is from a real card.
+Six checks (bench/device_checks/), each with a pass criterion, its figures and the twin's beside them:
+1. token equality between eager and CUDA-graph decode;
+2. NVML's readings beside the allocator's over a run;
+3. a KV pool grow and shrink with CUDA graphs live;
+4. flash-attn's logits against sdpa's (on the CPU: the C++ kernel's);
+5. a real OOM, caused by a ballast tensor in a second process, recovered with no request lost;
+6. the sized KV pool following a second process's allocation.
+The model is a random-weight Llama of Llama-3.1-8B's shape in bf16: nothing is downloaded. The twin models an
+RTX 4090 running Llama-3.1-8B, not the lent card (an H200), so its figures are its prediction for the same requests
+on its own card, to show how far its model is from a real one; only the device's figures decide a check. The
+smoke run takes a tiny model on the CPU: what needs CUDA is skipped there (passed None), the rest runs, the OOM's
+second process simulated. Exits 1 when a check fails or crashes. The report is written after every check, so a
+run cut short by its time limit still leaves one: bench/results/device_check.md (and .json), and in $OUT too when
+that is set (the device tool brings back only what is there).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
-import statistics
+import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from engine.backends.torch_backend import TorchBackend
-from engine.backends.twin.backend import TwinBackend
-from engine.backends.twin.latency import LatencyModel
-from engine.backends.twin.memory import MemoryModel, StepMemory
+from bench.device_checks.common import GIB, Load, Plan, Result, Session, Value
+from bench.device_checks.memory import nvml_vs_allocator, oom_recovery, pool_follows
+from bench.device_checks.numerics import flash_vs_sdpa, graphs_vs_eager, kv_resize
+from engine.backends.torch_backend import kernel_for
 from engine.backends.twin.profile import load_profile
-from engine.baselines.seed import FixedPolicy
-from engine.core.kv_cache import ResizePlan
-from engine.core.llm_engine import LLMEngine
-from engine.core.sampling_params import SamplingParams
-from engine.model.llama import ModelConfig
-from engine.model.loaders.random_model import random_llama
+from engine.model.model_config import ModelConfig
 
-RESULTS = Path("bench/results/device_check")
+RESULTS = Path("bench/results/device_check.md")
 # Llama-3.1's rope (HF config.json of meta-llama/Llama-3.1-8B): not in the twin profile, which models memory
 # and time, not numerics.
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}  # fmt: skip
-TINY = ModelConfig(512, 64, 128, 2, 4, 2, 16, max_position_embeddings=4096)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The shapes measured: one set for the GPU, a tiny one for the smoke run."""
-
-    batches: tuple[int, ...]
-    prompt_len: int
-    decode_steps: int  # measured decode steps per batch size
-    warmup_steps: int  # decode steps run first (graph capture, allocator warm-up), not measured
-    prefill_len: int
-    num_blocks: int
-    resize_blocks: int  # grown by this many, then shrunk back
-
-
-GPU_PLAN = Plan((1, 16, 64), 128, 32, 4, 4096, 256, 64)
-TINY_PLAN = Plan((1, 4), 16, 4, 1, 256, 64, 8)
-
-
-@dataclass
-class Report:
-    device: str
-    model: str
-    dtype: str
-    attention: str
-    block_size: int
-    graphs: bool
-    versions: dict[str, str]
-    tpot_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # batch -> {graphs, eager, twin}
-    prefill: dict[str, Any] = field(default_factory=dict)
-    resize: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+# vocab above 1000: start-up pool sizing fills its prompts with ids up to 1000 (engine/core/kv_pool.py)
+TINY = ModelConfig(1024, 64, 128, 2, 4, 2, 16, max_position_embeddings=4096)
+GPU_PLAN = Plan(
+    pool_tokens=32768,
+    decode=Load(24, 64, 32),
+    logit_prompts=(1024, 700, 300, 45),
+    nvml=Load(48, 256, 48),
+    nvml_batch=16,
+    resize_tokens=8192,
+    oom=Load(4, 1024, 16),
+    follow=Load(16, 512, 64),
+    follow_steps=(32, 300, 32, 800),
+)
+TINY_PLAN = Plan(2048, Load(6, 16, 8), (40, 17, 5), Load(16, 16, 48), 4, 256, Load(2, 64, 4), Load(4, 32, 16),
+                 (8, 100, 8, 600))  # fmt: skip
+CHECKS: tuple[Callable[[Session], Result], ...] = (
+    graphs_vs_eager,
+    nvml_vs_allocator,
+    kv_resize,  # after the two above: it leaves the shared backend's pool resized
+    flash_vs_sdpa,
+    oom_recovery,
+    pool_follows,  # last: its pool takes most of the device
+)
+TWIN_NOTE = (
+    "The twin column is the twin's prediction for the same requests: it models an RTX 4090 running Llama-3.1-8B "
+    "(engine/backends/twin/, realistic sensors), not this device, so times and bytes differ by as much as the "
+    "cards do, and only the measured column decides a check. It has no numerics: token and logit figures have "
+    "no twin value."
+)
 
 
 def llama31_8b_config() -> ModelConfig:
@@ -94,200 +94,105 @@ def llama31_8b_config() -> ModelConfig:
     )
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
-def new_engine(backend: TorchBackend) -> LLMEngine:
-    """Every request admitted and prefilled whole, decodes batched together, no KV held back."""
-    return LLMEngine(backend, FixedPolicy(max_num_seqs=1024, kv_reserve_ratio=0.0))
-
-
-def add_requests(engine: LLMEngine, count: int, prompt_len: int, max_tokens: int) -> None:
-    vocab = engine.backend.config.vocab_size
-    for i in range(count):
-        prompt = [(7 + 31 * (i * prompt_len + j)) % vocab for j in range(prompt_len)]
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def decode_step_times(backend: TorchBackend, batch: int, plan: Plan) -> list[float]:
-    """Seconds of each decode-only step of `batch` sequences after the warm-up steps."""
-    engine = new_engine(backend)
-    add_requests(engine, batch, plan.prompt_len, plan.warmup_steps + plan.decode_steps + 1)
-    decoding: list[bool] = []  # per step that ran a batch: was it decode-only at full batch?
-    engine.step_listeners.append(
-        lambda record, b: decoding.append(record.shape.decode_seqs == batch and not record.shape.prefill_tokens)
-    )
-    decode = []
-    while engine.has_unfinished():
-        ran = len(decoding)
-        t0 = time.perf_counter()
-        engine.step()  # returns after the sampled ids reached the host: the device has finished
-        if len(decoding) > ran and decoding[-1]:
-            decode.append(time.perf_counter() - t0)
-    return decode[plan.warmup_steps :]
-
-
-def measure_tpot(backend: TorchBackend, plan: Plan, twin: LatencyModel) -> dict[int, dict[str, float]]:
-    graphs = backend.graphs
-    out: dict[int, dict[str, float]] = {}
-    for batch in plan.batches:
-        row: dict[str, float] = {}
-        for name, runner in (("graphs", graphs), ("eager", None)):
-            if name == "graphs" and graphs is None:
-                continue
-            backend.graphs = runner
-            row[name] = statistics.median(decode_step_times(backend, batch, plan)) * 1e3
-        context = plan.prompt_len + plan.warmup_steps + plan.decode_steps // 2  # mean KV tokens while measured
-        row["twin_4090"] = twin.decode_step_time(batch, batch * context, batch, batch) * 1e3
-        out[batch] = row
-    backend.graphs = graphs
-    return out
-
-
-def measure_prefill(backend: TorchBackend, plan: Plan) -> dict[str, Any]:
-    """One step prefilling one `prefill_len`-token prompt: the allocator peak above what was allocated before
-    it (CUDA), its time, and the twin's peak for the same step."""
-    engine = new_engine(backend)
-    add_requests(engine, 1, plan.prefill_len, 1)
-    device = backend.device
-    cuda = device.type == "cuda"
-    synchronize(device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    t0 = time.perf_counter()
-    engine.step()
-    seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
-    profile = load_profile()
-    logits_rows = plan.prefill_len if profile.section("engine")["logits_all_prompt_tokens"] else 1
-    memory = MemoryModel(profile, int(profile.section("engine")["default_num_blocks"]), 256)
-    twin = memory.run_step(StepMemory(logits_rows=logits_rows, sampled=1, prefill_seqs=1))
+def describe(s: Session, smoke: bool, argv: list[str]) -> dict[str, str]:
+    kernel = kernel_for("auto", None, s.device, s.dtype)
+    if s.cuda:
+        device = f"{torch.cuda.get_device_name(s.device)}, {torch.cuda.mem_get_info(s.device)[1] / GIB:.1f} GiB"
+    else:
+        device = f"CPU ({platform.machine()})"
+    packages = ", ".join(f"{p} {version(p)}" for p in ("torch", "flash-attn", "nvidia-ml-py"))
     return {
-        "tokens": plan.prefill_len,
-        "seconds": seconds,
-        "peak_above_before_mib": None if peak is None else peak / 2**20,
-        "twin_4090_peak_mib": twin.peak_allocated / 2**20,
-        "twin_4090_logits_rows": logits_rows,
+        "device": device + (", smoke run (not a device result)" if smoke else ""),
+        "setup": f"{s.model_name}, {str(s.dtype).removeprefix('torch.')}, attention by default {kernel.attention} "
+        f"({kernel.reason}), block size {kernel.block_size}; {packages}; python {platform.python_version()}",
+        "run": f"`{' '.join(['python -m bench.device_check', *argv])}` at {time.strftime('%Y-%m-%d %H:%M')}",
     }
 
 
-def measure_resize(backend: TorchBackend, plan: Plan) -> dict[str, Any]:
-    """Grow the pool by `resize_blocks` and shrink it back, each timed to the device's end; and the twin's
-    modelled cost of the same resize on its 4090 pool (its default pool as the base)."""
-    engine = new_engine(backend)
-    base = backend.num_blocks
-    result: dict[str, Any] = {"blocks": plan.resize_blocks, "block_mib": backend.block_bytes / 2**20}
-    for name, target in (("grow", base + plan.resize_blocks), ("shrink", base)):
-        synchronize(backend.device)
-        t0 = time.perf_counter()
-        engine.resize_kv_pool(target)
-        synchronize(backend.device)
-        result[f"{name}_ms"] = (time.perf_counter() - t0) * 1e3
-    twin = TwinBackend()
-    twin_base = twin.num_blocks
-    grow = twin.resize_kv(ResizePlan(twin_base + plan.resize_blocks, twin_base))
-    shrink = twin.resize_kv(ResizePlan(twin_base, twin_base + plan.resize_blocks))
-    result.update(twin_4090_grow_ms=grow * 1e3, twin_4090_shrink_ms=shrink * 1e3, twin_4090_base_blocks=twin_base)
-    result["num_blocks_after"] = backend.num_blocks
-    return result
+def verdict(r: Result) -> str:
+    if r.passed is None:
+        return r.skipped or "skipped"
+    return "PASS" if r.passed else "FAIL"
 
 
-def versions() -> dict[str, str]:
-    found = {"torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import flash_attn
-
-        found["flash_attn"] = flash_attn.__version__
-    except ImportError:
-        found["flash_attn"] = "not installed"
-    return found
+def cell(value: Value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value).replace("|", "\\|")
 
 
-def run(device: str, tiny: bool) -> Report:
-    dev = torch.device(device)
-    plan = TINY_PLAN if tiny else GPU_PLAN
-    dtype = torch.float32 if tiny and dev.type == "cpu" else torch.bfloat16
-    cfg = TINY if tiny else llama31_8b_config()
-    name = "tiny random Llama" if tiny else "random Llama-3.1-8B shape"
-    backend = TorchBackend(
-        random_llama(cfg, dtype, dev, name=name), dtype=dtype, device=dev, num_blocks=plan.num_blocks
-    )
-    report = Report(
-        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-        model=name,
-        dtype=str(dtype).removeprefix("torch."),
-        attention=f"{backend.attention} ({backend.kernel_reason})",
-        block_size=backend.block_size,
-        graphs=backend.graphs is not None,
-        versions=versions(),
-    )
-    report.notes.append(
-        "twin_4090 columns: the twin's model of an RTX 4090 running the seed engine (its latency tables and "
-        "allocator replay), not of this device; printed beside the measurement, not compared against it."
-    )
-    twin = LatencyModel(load_profile())
-    report.tpot_ms = measure_tpot(backend, plan, twin)
-    report.prefill = measure_prefill(backend, plan)
-    report.resize = measure_resize(backend, plan)
-    return report
-
-
-def markdown(report: Report) -> str:
-    lines = [
-        f"# Device check: {report.device}",
-        "",
-        f"{report.model}, {report.dtype}, attention {report.attention}, block size {report.block_size}, "
-        f"CUDA graphs {'on' if report.graphs else 'off'}; " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
-        "",
-        "| batch | TPOT graphs (ms) | TPOT eager (ms) | twin 4090 (ms) |",
-        "|---|---|---|---|",
-    ]
-    for batch, row in report.tpot_ms.items():
-        cells = [_ms(row.get("graphs")), _ms(row.get("eager")), _ms(row["twin_4090"])]
-        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
-    p, r = report.prefill, report.resize
-    lines += [
-        "",
-        f"Prefill of {p['tokens']} tokens: {p['seconds'] * 1e3:.1f} ms, allocator peak above before "
-        f"{_mib(p['peak_above_before_mib'])}; twin 4090 {_mib(p['twin_4090_peak_mib'])} (the seed engine it "
-        f"models computes logits for {p['twin_4090_logits_rows']} rows; this engine for the sampled row only).",
-        f"KV resize by {r['blocks']} blocks of {r['block_mib']:.3g} MiB: grow {r['grow_ms']:.1f} ms, shrink "
-        f"{r['shrink_ms']:.1f} ms; twin 4090 (from {r['twin_4090_base_blocks']} blocks) grow "
-        f"{r['twin_4090_grow_ms']:.1f} ms, shrink {r['twin_4090_shrink_ms']:.1f} ms.",
-        "",
-        *(f"Note: {n}" for n in report.notes),
-    ]
+def markdown(meta: dict[str, str], results: list[Result]) -> str:
+    lines = [f"# Device check: {meta['device']}", "", meta["setup"] + ".", "", f"Run: {meta['run']}.", "", TWIN_NOTE]
+    lines += ["", "| check | result | seconds |", "|---|---|---|"]
+    lines += [f"| {cell(r.title)} | {verdict(r)} | {r.seconds:.0f} |" for r in results]
+    for r in results:
+        lines += ["", f"## {r.title}: {verdict(r)}", "", f"Criterion: {r.criterion}.", ""]
+        lines += ["| figure | measured | twin (RTX 4090 model) |", "|---|---|---|"]
+        lines += [f"| {cell(f['figure'])} | {cell(f['measured'])} | {cell(f['twin'])} |" for f in r.figures]
+        lines += [f"\nNote: {note}" for note in r.notes]
     return "\n".join(lines) + "\n"
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def write(meta: dict[str, str], results: list[Result], path: Path) -> list[Path]:
+    """The markdown at `path` and the JSON beside it, and both again in $OUT when it is set."""
+    text = markdown(meta, results)
+    data = json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1)
+    paths = [path, *([Path(os.environ["OUT"]) / path.name] if os.environ.get("OUT") else [])]
+    for md in paths:
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(text)
+        md.with_suffix(".json").write_text(data)
+    return paths
 
 
-def _mib(value: float | None) -> str:
-    return "n/a (no allocator stats on this device)" if value is None else f"{value:.0f} MiB"
+def run_check(check: Callable[[Session], Result], s: Session) -> Result:
+    """The check's result; a check that raises has failed, and the others still run."""
+    t0 = time.perf_counter()
+    try:
+        result = check(s)
+    except Exception as e:
+        traceback.print_exc()
+        result = Result(check.__name__, check.__name__, "runs to its end", passed=False)
+        result.notes.append(f"crashed: {type(e).__name__}: {e}")
+    s.free()
+    result.seconds = time.perf_counter() - t0
+    print(f"device_check: {result.name}: {verdict(result)} ({result.seconds:.0f} s)", flush=True)
+    return result
 
 
-def write(report: Report, out: Path, say: Callable[[str], None] = print) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(report)
-    (out / "device_check.md").write_text(text)
-    (out / "device_check.json").write_text(json.dumps(asdict(report), indent=2))
-    say(text)
-    say(f"written to {out}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    names = [c.__name__ for c in CHECKS]
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and small shapes: the smoke run")
-    parser.add_argument("--out", type=Path, default=None, help="default: $OUT if set, else " + str(RESULTS))
-    args = parser.parse_args()
-    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS)
-    write(run(args.device, args.tiny), out)
+    parser.add_argument("--only", action="append", choices=names, help="run this check only (repeatable)")
+    parser.add_argument("--out", type=Path, help=f"the markdown report (default {RESULTS}; with --tiny, a temp file)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    smoke = Path(tempfile.gettempdir()) / "device_check_smoke.md"
+    out = args.out or (smoke if args.tiny else RESULTS)
+    config, plan = (TINY, TINY_PLAN) if args.tiny else (llama31_8b_config(), GPU_PLAN)
+    s = Session(torch.device(args.device), config, plan, "tiny random Llama" if args.tiny else "random Llama-3.1-8B")
+    meta = describe(s, args.tiny, argv)
+    results: list[Result] = []
+    paths: list[Path] = []
+    for check in CHECKS:
+        if not args.only or check.__name__ in args.only:
+            results.append(run_check(check, s))
+            paths = write(meta, results, out)
+    print(markdown(meta, results))
+    print("written to", ", ".join(map(str, paths)))
+    if any(r.passed is False for r in results):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -40,14 +40,15 @@ class Experiment:
         return self.compared or tuple(o for o in self.outputs if o.endswith((".md", ".json", ".jsonl")))
 
 
-def _matrix(policy: str, blocks: int | None, seconds: float, suite: str) -> Experiment:
-    label = f"{policy}_{blocks or 'sized'}"
+def _matrix(policy: str, blocks: int | None, seconds: float, suite: str, sensors: str = "ideal") -> Experiment:
+    """A seed-matrix run; the results that predate realistic sensors (the default now) name `ideal`."""
+    label = f"{policy}_{blocks or 'sized'}" + ("_realistic" if sensors == "realistic" else "")
     pool = f" --num-blocks {blocks}" if blocks else ""
     jobs = 2 if blocks else 1
     return Experiment(
         f"matrix_{label}",
         (
-            f"headroom bench matrix --backend twin --policy {policy}{pool} --jobs {jobs} "
+            f"headroom bench matrix --backend twin --twin-sensors {sensors} --policy {policy}{pool} --jobs {jobs} "
             f"--out {{out}}/matrix/{label}.json",
         ),  # fmt: skip
         (f"matrix/{label}.json", f"matrix/{label}.md"),
@@ -66,6 +67,15 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     _matrix("adaptive", 80, 50, "slow"),
     _matrix("adaptive", 96, 45, "slow"),
     _matrix("adaptive", None, 140, "slow"),
+    _matrix("adaptive", None, 150, "slow", "realistic"),
+    Experiment(
+        "sensors_acceptance",
+        ("python -m bench.sensors_acceptance --out {out}/sensors_acceptance.md",),
+        ("sensors_acceptance.md",),
+        "twin",
+        1,
+        "default",
+    ),
     Experiment(
         "controller_acceptance",
         (
@@ -80,8 +90,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
         "twin_seed-static_64",
         (
-            "headroom bench matrix --backend twin --policy seed-static --num-blocks 64 --block-size 256 "
-            "--out {out}/twin_seed-static_64.json",
+            "headroom bench matrix --backend twin --twin-sensors ideal --policy seed-static --num-blocks 64 "
+            "--block-size 256 --out {out}/twin_seed-static_64.json",
         ),  # fmt: skip
         ("twin_seed-static_64.json", "twin_seed-static_64.md"),
         "twin",
@@ -103,7 +113,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "oracle",
-        ("python -m bench.oracle --jobs 2 --out {out}/oracle.md",),
+        ("python -m bench.oracle --jobs 2 --twin-sensors ideal --out {out}/oracle.md",),
         ("oracle.md", "oracle.json"),
         "twin",
         3600,  # an estimate (1,530 runs), not measured here
@@ -111,7 +121,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "vllm_replay",
-        ("python -m bench.vllm_replay --out {out}/vllm_replay.md",),
+        ("python -m bench.vllm_replay --twin-sensors ideal --out {out}/vllm_replay.md",),
         (
             "vllm_replay.md",
             "vllm_replay_vllm.json",
@@ -126,7 +136,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "workload_shift",
-        ("python -m bench.workload_shift --out {out}/workload_shift.md",),
+        ("python -m bench.workload_shift --twin-sensors ideal --out {out}/workload_shift.md",),
         ("workload_shift.md", "workload_shift.json"),
         "twin",
         8,
@@ -134,7 +144,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "external_memory",
-        ("python -m bench.external_memory --out {out}/external_memory.md",),
+        ("python -m bench.external_memory --twin-sensors ideal --out {out}/external_memory.md",),
         ("external_memory.md", "external_memory.png"),
         "twin",
         8,
@@ -142,11 +152,19 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "external_memory_2gib",
-        ("python -m bench.external_memory --take-gib 2 --out {out}/external_memory_2gib.md",),
+        ("python -m bench.external_memory --take-gib 2 --twin-sensors ideal --out {out}/external_memory_2gib.md",),
         ("external_memory_2gib.md", "external_memory_2gib.png"),
         "twin",
         6,
         "default",
+    ),
+    Experiment(
+        "fault_campaign",
+        ("python -m bench.fault_campaign --out {out}/fault_campaign.json",),
+        ("fault_campaign.json", "fault_campaign.md"),
+        "twin",
+        170,
+        "slow",
     ),
     Experiment(
         "kv_phase_bound",
@@ -167,7 +185,10 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     # ---- notes written by hand from the runs they name ----
     Experiment(
         "kv_pool",
-        ("headroom bench matrix --backend twin --policy adaptive --jobs 1 --out {out}/matrix/adaptive_sized.json",),
+        (
+            "headroom bench matrix --backend twin --twin-sensors ideal --policy adaptive --jobs 1 "
+            "--out {out}/matrix/adaptive_sized.json",
+        ),  # fmt: skip
         ("kv_pool.md",),
         "notes",
         60,
@@ -175,14 +196,21 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
         "kv_pressure",
         (
-            'python -m bench.kv_pressure --points "16,32,4096;64,256,4096;4,4096,4096;16,256,4096;64,32,4096" '
+            "python -m bench.kv_pressure --twin-sensors ideal "
+            '--points "16,32,4096;64,256,4096;4,4096,4096;16,256,4096;64,32,4096" '
             "--out /tmp/kv_pressure.md",
         ),  # fmt: skip
         ("kv_pressure.md",),
         "notes",
         120,
     ),
-    Experiment("controller_notes", ("python -m bench.workload_shift",), ("controller_notes.md",), "notes", 5),
+    Experiment(
+        "controller_notes",
+        ("python -m bench.workload_shift --twin-sensors ideal",),
+        ("controller_notes.md",),
+        "notes",
+        5,
+    ),
     # ---- wall time on this CPU ----
     Experiment(
         "cpu_vs_vllm",

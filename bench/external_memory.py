@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.harness.report import Stamp, write_report
+from bench.harness.twin_flags import add_twin_sensors, twin_argv
 from engine.cli import engine_config
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
@@ -54,9 +55,16 @@ class Outcome:
 
 
 def run(
-    concurrency: int, input_len: int, output_len: int, duration: float, take_at: float, hold: float, take: int
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    duration: float,
+    take_at: float,
+    hold: float,
+    take: int,
+    twin: list[str],
 ) -> Outcome:
-    engine = build_engine(engine_config(["--backend", "twin"]))
+    engine = build_engine(engine_config(twin))
     backend = engine.backend
     out = Outcome(Timeline(), backend.memory.cuda_total)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
@@ -137,9 +145,11 @@ def main() -> None:
     ap.add_argument("--take-gib", type=float, default=4.0)
     ap.add_argument("--out", type=Path, default=None, help="markdown report; the PNG goes beside it")
     ap.add_argument("--no-plot", action="store_true", help="leave the PNG as it is (needs no matplotlib)")
+    add_twin_sensors(ap)
     a = ap.parse_args()
     stamp = Stamp("python -m bench.external_memory")
-    out = run(a.concurrency, a.input_len, a.output_len, a.duration, a.take_at, a.hold, int(a.take_gib * GIB))
+    take = int(a.take_gib * GIB)
+    out = run(a.concurrency, a.input_len, a.output_len, a.duration, a.take_at, a.hold, take, twin_argv(a))
     tl = out.timeline
     during = [p for t, p in zip(tl.t, tl.pool, strict=True) if a.take_at <= t < a.take_at + a.hold]
     lines = [

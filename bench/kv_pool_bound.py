@@ -59,9 +59,10 @@ def point_bound(latency: LatencyModel, point: Point, n: int, pool: int, block: i
     return n * out / (decode + n * inp * prefill_seconds_per_token(latency))
 
 
-def largest_pool() -> tuple[int, int, LatencyModel]:
-    """(blocks the card holds beside the idle footprint, block size, latency model) of the default twin."""
-    engine = build_engine(engine_config(["--backend", "twin"]))
+def largest_pool(sensors: str) -> tuple[int, int, LatencyModel]:
+    """(blocks the card holds beside the idle footprint, block size, latency model) of the default twin with
+    `sensors` (realistic ones hold CUDA graph memory beside the idle footprint)."""
+    engine = build_engine(engine_config(["--backend", "twin", "--twin-sensors", sensors]))
     s = engine.policy.state()["kv_pool"]["start_up"]
     free = s["capacity"] - s["external"] - s["idle_without_pool"]
     return free // s["block_bytes"], engine.backend.block_size, engine.backend.latency
@@ -76,7 +77,8 @@ def geomean(xs: list[float]) -> float:
 
 
 def report(run: Path) -> list[str]:
-    top, block, latency = largest_pool()
+    sensors = json.loads(run.read_text()).get("twin_sensors", "ideal")  # the run's own
+    top, block, latency = largest_pool(sensors)
     got, seed = load(run), load(MATRIX / "seed-static_64.json")
     lines = [
         f"Run: `{run.relative_to(ROOT) if run.is_relative_to(ROOT) else run}`; seed-static at 64 blocks from "

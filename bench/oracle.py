@@ -17,6 +17,7 @@ from itertools import product
 
 from bench.cli import run_point
 from bench.harness.report import Stamp, write_report
+from bench.harness.twin_flags import add_twin_sensors, twin_argv
 from engine.cli import engine_config
 
 POINTS = [(1, 4096, 1024), (4, 4096, 1024), (16, 256, 1024), (16, 32, 4096), (64, 32, 1024), (64, 256, 256)]
@@ -44,9 +45,9 @@ def fixed_argv(prefill: int, decode: int, ratio: float) -> list[str]:
     ]
 
 
-def one(job: tuple[tuple[int, int, int], str, list[str]]) -> dict:
-    point, policy, argv = job
-    m = run_point(engine_config(["--backend", "twin", "--num-blocks", NUM_BLOCKS, "--policy", policy, *argv]), point)
+def one(job: tuple[tuple[int, int, int], str, list[str], list[str]]) -> dict:
+    point, policy, argv, twin = job
+    m = run_point(engine_config([*twin, "--num-blocks", NUM_BLOCKS, "--policy", policy, *argv]), point)
     m["argv"] = " ".join(argv)
     return m
 
@@ -55,10 +56,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="markdown report; every run goes beside it as .json")
+    add_twin_sensors(ap)
     args = ap.parse_args()
     stamp = Stamp("python -m bench.oracle")
-    jobs = [(p, "adaptive", []) for p in POINTS] + [
-        (p, "fixed", fixed_argv(*cfg)) for p in POINTS for cfg in product(PREFILL_TOKENS, DECODE_SEQS, KV_RATIOS)
+    twin = twin_argv(args)
+    jobs = [(p, "adaptive", [], twin) for p in POINTS] + [
+        (p, "fixed", fixed_argv(*cfg), twin) for p in POINTS for cfg in product(PREFILL_TOKENS, DECODE_SEQS, KV_RATIOS)
     ]
     with ProcessPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(one, jobs))

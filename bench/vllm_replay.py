@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bench.cli import replay_doc, write_run
 from bench.harness.report import Stamp, write_report
+from bench.harness.twin_flags import add_twin_sensors, twin_argv
 from bench.report import LATENCIES, PERCENTILES, latency_table
 from bench.synthetic import sharegpt_like_trace, write_trace
 from engine.cli import engine_config
@@ -24,10 +25,10 @@ POLICIES = ("vllm", "adaptive")
 WALL_LIMIT_S = 60.0
 
 
-def replay(trace: Path, policy: str, out: Path, stamp: Stamp) -> dict:
+def replay(trace: Path, policy: str, out: Path, stamp: Stamp, twin: list[str]) -> dict:
     """`headroom bench replay` on the trace under `policy`, its JSON and table written to `out`."""
-    flags = ["--profile", PROFILE, "--policy", policy]
-    doc = replay_doc(engine_config(["--backend", "twin", *flags]), trace)
+    flags = [*twin[2:], "--profile", PROFILE, "--policy", policy]
+    doc = replay_doc(engine_config([*twin[:2], *flags]), trace)
     write_run(out, doc, stamp, latency_table(doc["points"][0]))  # type: ignore[index]
     command = ["headroom", "bench", "replay", *flags, "--trace", str(trace), "--out", str(out)]
     return {"command": " ".join(command), "wall_s": doc["wall_s"], **doc["points"][0]}  # type: ignore[index]
@@ -61,13 +62,14 @@ def table(runs: dict[str, dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="markdown report; trace and runs go beside it")
+    add_twin_sensors(ap)
     args = ap.parse_args()
     stamp = Stamp("python -m bench.vllm_replay")
     stem = args.out.with_suffix("")
     trace = stem.parent / "sharegpt_like_300.jsonl"
     records = sharegpt_like_trace()
     write_trace(trace, records)
-    runs = {p: replay(trace, p, Path(f"{stem}_{p}.json"), stamp) for p in POLICIES}
+    runs = {p: replay(trace, p, Path(f"{stem}_{p}.json"), stamp, twin_argv(args)) for p in POLICIES}
     v = runs["vllm"]
     holds = v["failed"] == 0 and v["ooms"] == 0 and v["wall_s"] < WALL_LIMIT_S
     ins = [r["input_toks"] for r in records]

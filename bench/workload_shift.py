@@ -31,6 +31,7 @@ import statistics
 from dataclasses import dataclass
 
 from bench.harness.report import Stamp, write_report
+from bench.harness.twin_flags import add_twin_sensors, twin_argv
 from bench.loadgen import RunResult, TraceRequest, run_trace
 from engine.cli import engine_config
 from engine.core.batch import SchedulerOutput
@@ -206,6 +207,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--out", default=None, help="markdown report; the summary and the steps around each shift go beside it as .json"
     )
+    add_twin_sensors(ap)
     return ap.parse_args()
 
 
@@ -223,7 +225,7 @@ class Shift:
 
 def run_shift(args: argparse.Namespace) -> Shift:
     reqs = workload(args.seed, args.chat_seconds, args.chat_rate, args.burst, args.burst_rate)
-    argv = ["--backend", "twin", "--policy", "adaptive"]
+    argv = [*twin_argv(args), "--policy", "adaptive"]
     if args.num_blocks:
         argv += ["--num-blocks", str(args.num_blocks)]
     engine = build_engine(engine_config(argv))

@@ -185,9 +185,10 @@ def test_the_fast_path_is_exact_under_realistic_sensors():
     assert times[0] == times[1]
 
 
-def test_only_the_twin_has_sensors_to_choose():
-    assert EngineConfig(backend="twin", twin_sensors="realistic").twin_sensors == "realistic"
+def test_the_server_and_bench_default_is_realistic_and_the_backend_checks_its_choice():
+    assert EngineConfig(backend="twin").twin_sensors == "realistic"
+    assert EngineConfig(backend="twin", twin_sensors="ideal").twin_sensors == "ideal"
     with pytest.raises(ConfigError, match="twin_sensors"):
-        EngineConfig(backend="torch", twin_sensors="realistic")
+        EngineConfig(backend="twin", twin_sensors="perfect")
     with pytest.raises(ValueError, match="sensors"):
         TwinBackend(sensors="perfect")
