@@ -86,7 +86,8 @@ def write_run(out: str | Path | None, doc: dict[str, object], stamp: Stamp, deta
         path = Path(out)
         write_json(path, stamp_data(doc, stamp))
         md = path.with_suffix(".md")
-        md.write_text("\n".join(stamped([f"wall time {doc['wall_s']} s", "", table], stamp)) + "\n")
+        sensors = [f"twin sensors: {doc['twin_sensors']}", ""] if "twin_sensors" in doc else []
+        md.write_text("\n".join(stamped([*sensors, f"wall time {doc['wall_s']} s", "", table], stamp)) + "\n")
         print(f"wrote {path} and {md}", file=sys.stderr)
 
 

@@ -137,11 +137,13 @@ class AdaptivePolicy(PoolControl):
     def reject_reason(self, prompt_len: int, max_tokens: int) -> str | None:
         """Only certain failures: with the model trained, even the smallest last chunk of the prompt, or
         the final decode of prompt + max_tokens, alone on a step, is predicted (without margin) to need
-        more than all free memory above idle."""
+        more than all the memory above idle the device would have if other processes gave theirs back.
+        A request that does not fit only because of memory held elsewhere waits in the queue: a 400 is final,
+        and the shortage passes (the serving layer's queue limits and timeouts still apply)."""
         b = self.budget.budget
         if not b.known or not self.estimator.trained:
             return None
-        free = b.free_mib + b.retained / MIB  # reject on what a step alone would have
+        free = (b.capacity - self.budget.external_floor - b.idle) / MIB  # what a step alone would ever have
         r = self._raw
         chunk = min(prompt_len, self.cfg.min_chunk)
         ctx = prompt_len - chunk

@@ -5,7 +5,9 @@ the idle footprint (weights, KV pool, workspaces) changes with the model, the ba
 - capacity: what the allocator may ever use (torch total_memory, or the emulated size);
 - external: bytes the device holds outside the allocator (CUDA context, NCCL, other processes), seen as
   device_used minus the allocator's reserved bytes of the same moment (a held NVML reading is paired with
-  those of its read, see _outside_of); the largest recent value counts (a cache flush can hide it for a step);
+  those of its read, see _outside_of); the largest recent value counts (a cache flush can hide it for a step).
+  The least value ever seen (`external_floor`) is what never lets go: admission refuses a request only
+  against that, since memory another process holds now may come back;
 - idle: the allocator's floor between steps (lowest idle baseline seen);
 - retained: what the previous step leaves allocated into the next one above that floor (e.g. an engine
   that keeps the last logits referenced). It is not known when the next step is packed, so the policy
@@ -87,6 +89,7 @@ class BudgetTracker:
         self._outside: deque[tuple[int, int]] = deque()
         self._n = 0
         self._external = 0
+        self._floor: int | None = None  # the least outside-allocator bytes seen
         self.budget = Budget()
 
     def configure(self, headroom_frac: float, headroom_min_mib: float, use_device_used: bool) -> None:
@@ -99,6 +102,12 @@ class BudgetTracker:
     @property
     def external(self) -> int:
         return self._external
+
+    @property
+    def external_floor(self) -> int:
+        """The least memory ever seen outside the allocator: the CUDA context and whatever else has held its
+        bytes all along. What is above it now another process holds, and may give back."""
+        return self._floor or 0
 
     def free_now(self, m: MemorySample) -> float:
         """MiB the step of sample `m` could add above its own idle baseline (known after the fact)."""
@@ -118,6 +127,7 @@ class BudgetTracker:
             self.idle_floor = None
             self._outside.clear()
             self._external = 0
+            self._floor = None
         if self.idle_floor is None or m.idle_baseline < self.idle_floor:
             self.idle_floor = m.idle_baseline
         outside = self._outside_of(m)
@@ -130,6 +140,7 @@ class BudgetTracker:
             while q[0][0] <= self._n - _EXTERNAL_WINDOW:
                 q.popleft()
             self._external = q[0][1]
+            self._floor = outside if self._floor is None else min(self._floor, outside)
         return m.idle_baseline - self.idle_floor
 
     def _outside_of(self, m: MemorySample) -> int | None:
@@ -137,10 +148,10 @@ class BudgetTracker:
 
         A device-wide reading is only comparable with the allocator's bytes of the same moment. The probe reads
         NVML at most every ~100 ms and holds the value between reads, while the allocator's stats are exact at
-        every step; after an empty_cache (a pool shrink, an OOM recovery, a graph capture) a held reading still
-        counts the bytes just given back. Subtracting this step's reserved bytes would call them another
-        process's, the pool would shrink for them, and the window maximum would keep them for its whole length,
-        starving every step of budget. So a held reading is paired with the reserved bytes it was read beside
+        every step; after an empty_cache (a pool shrink, a graph capture, a failed cudaMalloc's flush) a held
+        reading still counts the bytes just given back. Subtracting this step's reserved bytes would call them
+        another process's, the pool would shrink for them, and the window maximum would keep them for its whole
+        length, starving every step of budget. So a held reading is paired with the reserved bytes it was read beside
         (`device_used_reserved`): its estimate is exact as of its read, only late, and memory another process
         takes meanwhile shows at the next read, as it would with no rate limit at all."""
         if self.use_device_used and m.device_used is not None and m.reserved > 0:

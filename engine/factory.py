@@ -120,7 +120,8 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     backend = build_backend(dataclasses.replace(cfg, num_blocks=start, block_size=block_size))
     engine = LLMEngine(backend, policy, cfg.enable_prefix_caching)
     size_kv_pool(engine)
-    backend.capture_graphs()
+    if cfg.backend == "torch":  # a copied pool's resize dropped the graphs (the twin's pool is resized in place)
+        backend.capture_graphs()
     return engine
 
 

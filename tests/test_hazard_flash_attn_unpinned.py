@@ -80,6 +80,7 @@ def test_the_server_logs_which_attention_path_runs_and_why(
     backend = SimpleNamespace(
         dtype=torch.bfloat16, dtype_reason="auto: bf16 on CUDA", attention=choice.attention,
         block_size=choice.block_size, kernel_reason=choice.reason, num_blocks=64, max_model_len=2048, model_name="m",
+        kv_layout="tensors copied on a resize (cuda-bindings is not installed)",
     )  # fmt: skip
     monkeypatch.setattr(launch, "build_engine", lambda cfg: SimpleNamespace(backend=backend))
     with caplog.at_level(logging.INFO, logger="headroom.server"):

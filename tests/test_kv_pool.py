@@ -83,7 +83,7 @@ def test_engine_keeps_room_for_the_longest_admitted_request():
     assert engine.resize_kv_pool(20) is None
 
 
-def test_twin_resize_moves_the_limit_and_charges_a_copy():
+def test_twin_resize_moves_the_limit_and_charges_the_mapping():
     b = TwinBackend(num_blocks=64)
     m = b.memory
     limit, persistent, t0 = m.limit, m.persistent, b.now()
@@ -92,9 +92,11 @@ def test_twin_resize_moves_the_limit_and_charges_a_copy():
     grown = 32 * m.block_bytes
     assert m.persistent == persistent + grown and m.limit == limit - grown
     assert b.probe.idle_bytes == m.persistent
-    # 64 kept blocks (2 GiB) read and written at 950 GB/s, plus 64 cudaMallocs of 100 us
+    # a step that never reaches the device next (an injected OOM) reports the grown pool, as a real probe would
+    assert b.probe.sample().reserved >= m.persistent and b.probe.sample().idle_baseline >= m.persistent
+    # in place (engine/model/kv_arena.py): 32 new blocks (1 GiB) zeroed at 950 GB/s, 32 maps of 100 us
     cost = b.now() - t0
-    assert cost == pytest.approx(2 * 64 * m.block_bytes / 950e9 + 64 * 1e-4)
+    assert cost == pytest.approx(32 * m.block_bytes / 950e9 + 32 * 1e-4)
     assert cost == b.resize_cost(plan)
     engine.resize_kv_pool(64)
     assert m.limit == limit
@@ -105,14 +107,13 @@ def test_twin_resize_that_does_not_fit_raises_and_changes_nothing():
     engine = LLMEngine(b, FixedPolicy())
     free_blocks = b.memory.driver_free // b.memory.block_bytes
     with pytest.raises(torch.OutOfMemoryError):
-        engine.resize_kv_pool(64 + free_blocks)  # the growth fits, the transient tensor does not
+        engine.resize_kv_pool(64 + free_blocks + 1)
     assert (b.num_blocks, engine.allocator.num_blocks, b.memory.num_blocks) == (64, 64, 64)
-    assert engine.resize_kv_pool(64 + free_blocks - 2) is not None
+    assert engine.resize_kv_pool(64 + free_blocks) is not None  # in place: the growth alone, no transient
 
 
-def test_twin_shrink_with_no_free_memory_stages_through_the_host():
-    """Another process holds every free byte: a shrink still goes through (its first tensor staged through
-    host memory, charged at the host copy rate), where a grow raises."""
+def test_twin_shrink_with_no_free_memory_goes_through():
+    """Another process holds every free byte: a shrink still goes through (it allocates nothing), a grow raises."""
     b = TwinBackend(num_blocks=64)
     engine = LLMEngine(b, FixedPolicy())
     b.set_external(b.memory.driver_free)
@@ -122,9 +123,7 @@ def test_twin_shrink_with_no_free_memory_stages_through_the_host():
     t0 = b.now()
     plan = engine.resize_kv_pool(32)
     assert b.memory.num_blocks == engine.allocator.num_blocks == 32
-    staged = 2 * (32 * b.memory.block_bytes // b.memory.kv_tensors) / 12e9
-    assert b.now() - t0 == pytest.approx(b.resize_cost(plan, staged=True))
-    assert b.resize_cost(plan, staged=True) == pytest.approx(b.resize_cost(plan) + staged)
+    assert b.now() - t0 == pytest.approx(b.resize_cost(plan)) == pytest.approx(32 * 1e-4)
 
 
 def test_torch_shrink_with_no_device_memory_stages_through_the_host(monkeypatch):

@@ -178,6 +178,20 @@ def test_cuda_probe_resets_peak_every_step(fake_cuda: FakeCuda) -> None:
     assert isinstance(sample.peak_allocated, int)
 
 
+def test_cuda_probe_counts_what_the_process_maps_outside_the_allocator(fake_cuda: FakeCuda) -> None:
+    """A KV pool in CUDA virtual memory (engine/model/kv_arena.py) is not in the allocator's stats: the probe adds
+    it where the pool of tensors would be (allocated, reserved, idle), so NVML's bytes above it are not taken
+    for another process's."""
+    mapped = [3 * GiB]
+    probe = CudaProbe(0, outside=lambda: mapped[0])
+    with probe.step(StepShape(decode_seqs=4)):
+        fake_cuda.alloc(100 * MiB)
+        fake_cuda.alloc(-100 * MiB)
+    sample = probe.sample()
+    assert sample.idle_baseline == 1 * GiB + 3 * GiB and sample.peak_allocated == 1 * GiB + 100 * MiB + 3 * GiB
+    assert sample.reserved == 2 * GiB + 3 * GiB and sample.step_peak == 100 * MiB
+
+
 def test_cuda_probe_reads_after_oom(fake_cuda: FakeCuda) -> None:
     probe = CudaProbe(0, capacity=40 * GiB)
     with pytest.raises(torch.OutOfMemoryError), probe.step(StepShape(prefill_tokens=8192)):

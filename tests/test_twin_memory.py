@@ -58,6 +58,20 @@ def test_flush_and_retry_then_oom():
     assert a.retries == 2
 
 
+def test_a_small_block_without_a_segment_leaves_no_phantom_segment():
+    a = CachingAllocator(limit=2 * MIB)
+    a.malloc("s1", MIB)
+    a.malloc("s2", MIB)  # the small pool's one 2 MiB segment is full
+    with pytest.raises(DeviceOOM):
+        a.malloc("s3", 512 * 1024)  # its segment cannot be had, even after the flush
+    assert a.small_live == 2 * MIB and a.reserved == 2 * MIB <= a.limit
+    # The same in a step: another process holds every free byte, a 1-row decode fails on its logits.
+    m = MemoryModel(PROFILE, num_blocks=64, block_size=256)
+    m.set_external(m.driver_free)
+    assert m.run_step(StepMemory(1, 1, 0)).oom is not None
+    assert m.driver_free == 0 and m.reserved == 0
+
+
 def test_a_pinned_segment_cannot_be_reused_for_a_bigger_tensor():
     # Fragmentation after a shape change: a small long-lived tensor inside a cached big block.
     a = CachingAllocator(limit=250 * MIB)
@@ -109,7 +123,10 @@ def test_oom_raises_torch_error_and_keeps_counting():
     assert s.ooms == 1 and s.alloc_retries >= 1
     t = b.now()
     assert t > 0  # the failed step still took time
-    b.recover_from_oom()  # empty_cache: nothing of the failed step stays reserved
+    reserved = b.memory.reserved
+    b.recover_from_oom()  # the cache stays this process's, for the step run again (recover_from_oom)
+    assert b.memory.reserved == reserved and b.memory.allocated == 0
+    b.memory.empty_cache()  # torch.cuda.empty_cache(): nothing of the failed step stays reserved
     assert b.memory.reserved <= 2 * MIB
 
 

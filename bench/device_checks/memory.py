@@ -30,6 +30,7 @@ from bench.device_checks.common import (
     twin,
 )
 from controller.config import ControllerConfig
+from engine.backends.twin.backend import TwinBackend
 from engine.config import EngineConfig
 from engine.core.kv_pool import size_kv_pool
 from engine.core.llm_engine import LLMEngine
@@ -41,6 +42,14 @@ SPREAD_MIB = ControllerConfig().headroom_min_mib  # the controller's headroom fl
 OOM_HOLD_STEPS = 3  # engine steps while the ballast holds all but too little for them
 WAIT_S = 60.0  # for the second process to take what it asked for, before the OOM check's steps
 Scenario = tuple[dict[str, Value], bool]  # the figures, and whether they meet the check's criterion
+
+
+def empty_cache(backend: object) -> None:
+    """torch.cuda.empty_cache() on the device, or on the twin's model of its allocator."""
+    if isinstance(backend, TwinBackend):
+        backend.memory.empty_cache()
+    elif backend.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def side_by_side(r: Result, measured: Scenario | None, predicted: Scenario, skipped: str) -> None:
@@ -126,7 +135,7 @@ def oom_scenario(engine: LLMEngine, ballast: Ballast, load: Load) -> Scenario:
         log.send(engine, i, load.prompt, load.tokens)
     decoding = step_until(engine, retry, lambda: all(q.output_ids for q in engine.requests.values()), 10_000)
     leave = int(statistics.median(log.prefill_peaks or [0])) // 4
-    engine.backend.recover_from_oom()  # torch.cuda.empty_cache(): the next steps must ask the driver for memory
+    empty_cache(engine.backend)  # the next steps must ask the driver for memory
     ballast.take(max(0, ballast.free_bytes() - leave))
     took, held = ballast.wait(WAIT_S), ballast.held
     for i in range(load.requests, 2 * load.requests):

@@ -26,6 +26,7 @@ from engine.model.cpu_kernels import CpuKernelOps, head_dim_unsupported, linear_
 from engine.model.cuda_graphs import Capture, DecodeGraphMetadata, DecodeGraphs, cuda_graph_capture
 from engine.model.dtype_choice import choose_dtype
 from engine.model.kernel_choice import KernelChoice, choose_kernel
+from engine.model.kv_arena import KVArena, cuda_vmm
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
 from telemetry.probes import make_probe
@@ -60,6 +61,7 @@ def kernel_for(
 
 class TorchBackend:
     graphs: DecodeGraphs | None = None  # captured decode steps; None: every step runs eagerly
+    kv_arena: KVArena | None = None  # the pool in CUDA virtual memory; None: tensors copied on a resize
 
     def __init__(
         self,
@@ -107,7 +109,7 @@ class TorchBackend:
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self._use_kernels(kernel, attention)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
-        self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self._allocate_kv(capacity)
         # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
         # the memory the pool gave back (and count against a cgroup or --device-memory limit).
         self.can_swap = self.device.type == "cuda"
@@ -116,9 +118,28 @@ class TorchBackend:
         self.sampler = Sampler(seed, cpu_kernels.draw_plain) if self.attention == "cpu" else Sampler(seed)
         self._kv_host: dict[str, Any] = {}  # swapped-out requests' KV in host memory, by request id
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
-        self.block_bytes = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
         if self.device.type == "cuda" and self.attention == "flash" and not enforce_eager:
             self._capture_graphs_at_start()
+
+    def _allocate_kv(self, capacity: int | None) -> None:
+        """The pool in CUDA virtual memory where the driver has it (engine/model/kv_arena.py: resized in place,
+        so the CUDA graphs stay valid), else as tensors copied on a resize; `kv_layout` says which and why."""
+        per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        driver, self.kv_layout = cuda_vmm(self.device)
+        if driver is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory if capacity is None else capacity
+            try:
+                self.kv_arena = KVArena(
+                    driver, self.config, self.block_size, self.dtype, total // per_block, self.num_blocks
+                )
+            except RuntimeError as e:  # a driver that refuses (OutOfMemoryError is one too): the copying pool
+                self.kv_layout = f"tensors copied on a resize: CUDA virtual memory failed ({e})"
+        if self.kv_arena is None:
+            self.kv_layout = f"tensors copied on a resize ({self.kv_layout})"
+            self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, self.block_size, self.dtype, self.device)
+        else:
+            self.kv_caches = self.kv_arena.caches()
+        self.block_bytes = self.kv_arena.chunk if self.kv_arena is not None else per_block
 
     def _capture_graphs_at_start(self) -> None:
         """Every bucket's decode graph, now, so the idle footprint the controller profiles holds them, into a
@@ -154,7 +175,8 @@ class TorchBackend:
         """telemetry's probe for this device, told what the weights and the KV pool hold at rest."""
         device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
         idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
-        return make_probe(device_name, capacity, idle_bytes=idle)
+        outside = (lambda: self.kv_arena.mapped_bytes) if self.kv_arena is not None else (lambda: 0)
+        return make_probe(device_name, capacity, idle_bytes=idle, outside=outside)
 
     @property
     def max_model_len(self) -> int:
@@ -162,22 +184,39 @@ class TorchBackend:
         return min(self._context_cap, self.num_blocks * self.block_size)
 
     def resize_kv(self, plan: ResizePlan) -> float:
-        """Reallocate and copy each layer's K and V (engine/model/attention.py: resize_kv_cache); returns the
-        measured seconds. The engine calls it between steps, so no step's activations are live.
+        """Resize the KV pool between steps (no step's activations are live); returns the measured seconds. In
+        CUDA virtual memory (engine/model/kv_arena.py) blocks are mapped or unmapped in place and the CUDA graphs
+        stay valid; otherwise the tensors are copied (`_resize_copied`). Either way a grow the device cannot hold
+        raises torch.OutOfMemoryError with the pool as it was."""
+        t0 = time.perf_counter()
+        if self.kv_arena is not None:
+            try:
+                self.kv_arena.resize(plan.num_blocks, plan.moves)
+            except torch.OutOfMemoryError:
+                if self.device.type != "cuda":
+                    raise
+                torch.cuda.empty_cache()  # the allocator's cached segments back to the driver, then once more
+                self.kv_arena.resize(plan.num_blocks, plan.moves)
+            if plan.delta < 0 and self.device.type == "cuda":  # a shrink is for memory someone is short of:
+                torch.cuda.empty_cache()  # the cached segments go back with the blocks
+            self.kv_caches = self.kv_arena.caches()
+        else:
+            self._resize_copied(plan)
+        self.num_blocks = plan.num_blocks
+        if hasattr(self.probe, "idle_bytes"):  # computed probes (CPU) are told the new footprint
+            self.probe.idle_bytes += plan.delta * self.block_bytes
+        return time.perf_counter() - t0
 
-        On CUDA the mechanism is the same, a new tensor and a copy per K and V per layer, followed by
-        empty_cache so the old tensors go back to the driver: one contiguous tensor per layer is what
-        flash-attn's paged kernel needs, the transient is the growth plus one tensor, and a copy at
-        device bandwidth costs milliseconds. CUDA virtual memory (cuMemMap) would grow in place without
-        the copy, but needs a binding we do not ship. A shrink's transient is one new tensor, smaller than
-        the old one it replaces.
+    def _resize_copied(self, plan: ResizePlan) -> None:
+        """Reallocate and copy each layer's K and V (engine/model/attention.py: resize_kv_cache). On CUDA,
+        empty_cache after it so the old tensors go back to the driver: one contiguous tensor per layer is what
+        flash-attn's paged kernel needs, the transient is the growth plus one tensor, and a copy at device
+        bandwidth costs milliseconds. A shrink's transient is one new tensor, smaller than the old one.
 
         A grow that runs out of memory part way is rolled back (a shrink to the old size, which never needs more
         memory than it frees) and raises torch.OutOfMemoryError: every tensor is whole and of the old size, and
         the pool holds no bytes it cannot use. Whether it succeeded or not, some tensors were replaced, so the
-        CUDA graphs, which captured the old ones, are dropped; `prepare` captures them again.
-        """
-        t0 = time.perf_counter()
+        CUDA graphs, which captured the old ones, are dropped; `prepare` captures them again."""
         try:
             resize_kv_cache(self.kv_caches, plan.num_blocks, plan.moves)
         except torch.OutOfMemoryError:
@@ -189,10 +228,6 @@ class TorchBackend:
                 torch.cuda.empty_cache()
             if self.graphs is not None:
                 self.graphs = self.make_decode_graphs(self.graphs.capture)
-        self.num_blocks = plan.num_blocks
-        if hasattr(self.probe, "idle_bytes"):  # computed probes (CPU) are told the new footprint
-            self.probe.idle_bytes += plan.delta * self.block_bytes
-        return time.perf_counter() - t0
 
     def swap(self, out: list[tuple[str, list[int]]], into: list[tuple[str, list[int]]]) -> float:
         """Preemption by swap (Backend.swap; only when `can_swap`, i.e. on CUDA, where host memory is not the
@@ -225,7 +260,8 @@ class TorchBackend:
     def make_decode_graphs(self, capture: Capture) -> DecodeGraphs:
         """Decode graphs over the KV tensors as they are now; the width of their block tables holds the
         longest sequence the pool and the context allow."""
-        width = min(-(-self._context_cap // self.block_size), self.num_blocks)
+        pool = self.kv_arena.max_blocks if self.kv_arena is not None else self.num_blocks  # the most it can hold
+        width = min(-(-self._context_cap // self.block_size), pool)
 
         def forward(ids: torch.Tensor, positions: torch.Tensor, meta: DecodeGraphMetadata) -> torch.Tensor:
             return self.model(ids, positions, self.kv_caches, meta)
@@ -233,8 +269,8 @@ class TorchBackend:
         return DecodeGraphs(forward, width, self.device, capture)
 
     def capture_graphs(self) -> None:
-        """Every bucket's graph, after the start-up pool sizing resized the pool and so dropped the graphs
-        captured with the backend: serving then starts with all of them, as vLLM's does."""
+        """Every bucket's graph, after the start-up pool sizing resized the pool, which drops the graphs of a
+        copied pool (not of one in CUDA virtual memory): serving then starts with all of them, as vLLM's does."""
         if self.graphs is not None:
             self.graphs.capture_all()
 
@@ -281,9 +317,10 @@ class TorchBackend:
         return time.perf_counter() - start
 
     def recover_from_oom(self) -> None:
-        """Hand the failed step's cached blocks back so the next, smaller step starts clean."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Nothing to let go: the failed step's tensors were freed as its exception unwound, and no output is kept
+        between steps. The cache stays: PyTorch's allocator empties it and retries inside a cudaMalloc that
+        fails, for this process, where an empty_cache here would hand it to another process short of memory and
+        the next step would fail for want of it (bench/results/fault_campaign.md)."""
 
     def now(self) -> float:
         return time.monotonic()

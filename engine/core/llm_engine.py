@@ -41,7 +41,11 @@ class Backend(Protocol):
     def now(self) -> float: ...
 
     def recover_from_oom(self) -> None:
-        """Release what the failed step held (torch.cuda.empty_cache on CUDA)."""
+        """After a failed step: let go of what the backend keeps from the step before (an output it still
+        references), which would pin its cached segment through every retry. Not torch.cuda.empty_cache: a
+        cudaMalloc that fails releases the cache and retries at once, for this process, where an empty_cache
+        between steps hands it to another process short of memory, and the step run again fails for want of it
+        (tests/test_hazard_oom_storm.py)."""
         ...
 
     def swap(self, out: list[tuple[str, list[int]]], into: list[tuple[str, list[int]]]) -> float:

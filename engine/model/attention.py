@@ -193,8 +193,10 @@ def paged_attention(
     if meta.backend == "cpu":  # writes k/v itself
         return cpu_paged_attention(q, k, v, kv_cache, meta)
     k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+    # (block, offset) rather than a flat view: a pool in CUDA virtual memory (kv_arena.py) strides its blocks
+    where = (meta.slot_mapping // k_cache.shape[1], meta.slot_mapping % k_cache.shape[1])
+    k_cache.index_put_(where, k)
+    v_cache.index_put_(where, v)
     if meta.backend == "flash":
         return _flash(q, kv_cache, meta)
     if meta.backend == "flash_decode":

@@ -148,13 +148,14 @@ class DecodeGraphs:
             self._capture(size)
 
     def capture_all(self) -> None:
-        """Every bucket, largest first: the pool's segment is cut once for the largest working set, and each
-        smaller capture reuses its freed blocks. Only before any request holds a block: the buffers' inputs
-        write K and V into the pool's first slots."""
+        """Every bucket without a graph, largest first: the pool's segment is cut once for the largest working
+        set, and each smaller capture reuses its freed blocks. Only before any request holds a block: the
+        buffers' inputs write K and V into the pool's first slots."""
         for size in reversed(self.sizes):
             if self.disabled:
                 return
-            self._capture(size)
+            if size not in self.replays:
+                self._capture(size)
 
     def _capture(self, size: int) -> Replay | None:
         meta = DecodeGraphMetadata(

@@ -80,6 +80,7 @@ def _load_engine(ecfg: EngineConfig) -> LLMEngine:
     if ecfg.backend == "torch":
         logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
         logger.info("attention %s, block size %d (%s)", backend.attention, backend.block_size, backend.kernel_reason)
+        logger.info("KV pool: %s", backend.kv_layout)
     logger.info(
         "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
         backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from telemetry.probes.base import MemoryProbe
 from telemetry.probes.null import NullProbe
@@ -27,6 +28,7 @@ def make_probe(
     sample_every: int = 8,
     emulate_oom: bool | None = None,
     nvml_interval: float = 0.1,
+    outside: Callable[[], int] = lambda: 0,
 ) -> MemoryProbe:
     """The probe for `device` ("cuda", "cuda:N", "cpu", "null").
 
@@ -34,7 +36,8 @@ def make_probe(
     is the emulated device size. Without it, on CPU, the process's memory cgroup limit is the capacity
     where there is one (telemetry/probes/cgroup.py), else host RAM. `emulate_oom` (CPU only) defaults to
     on exactly when an emulated size is given: otherwise the kernel, not the probe, decides about OOMs.
-    Probes import torch/pynvml lazily, so asking for "null" needs neither.
+    Probes import torch/pynvml lazily, so asking for "null" needs neither. `outside` (CUDA): bytes the caller
+    maps outside the caching allocator (CudaProbe).
     """
     capacity = parse_bytes(device_memory) if device_memory is not None else None
     kind, _, index = device.partition(":")
@@ -44,7 +47,7 @@ def make_probe(
 
         dev = int(index) if index else 0
         nvml = NvmlProbe(dev, pci_bus_id=pci_bus_id(dev), min_interval=nvml_interval)
-        return CudaProbe(dev, capacity=capacity, nvml=nvml, min_interval=nvml_interval)
+        return CudaProbe(dev, capacity=capacity, nvml=nvml, min_interval=nvml_interval, outside=outside)
     if kind == "cpu":
         from telemetry.probes.cgroup import cgroup_limit
         from telemetry.probes.cpu import CpuProbe

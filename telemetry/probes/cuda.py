@@ -59,11 +59,16 @@ class CudaProbe:
         nvml: NvmlProbe | None = None,
         min_interval: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        outside: Callable[[], int] = lambda: 0,
     ) -> None:
         """`capacity` overrides the device total (e.g. to leave room for another process); `nvml` None
-        means fall back to rate-limited `mem_get_info` for device_used/device_total."""
+        means fall back to rate-limited `mem_get_info` for device_used/device_total. `outside`: bytes this
+        process maps outside the caching allocator (a KV pool in CUDA virtual memory, engine/model/kv_arena.py),
+        reported as the allocator's own, where the controller expects the pool; else NVML alone would show
+        them, and as another process's."""
         torch = _torch()
         self.device = device
+        self.outside = outside
         self.nvml = nvml
         if nvml is not None and nvml.uuid is None:  # NVML resolves its device on first use, after this
             nvml.uuid = device_uuid(device)
@@ -76,7 +81,7 @@ class CudaProbe:
         self._info_time = clock()
         self._last = MemorySample(capacity=self.capacity, device_used=self._used, device_total=total)
         # the allocator's reserved bytes when device_used was last read (see MemorySample.device_used_reserved)
-        self._read_reserved = _reserved_now(torch.cuda.memory_stats(device))
+        self._read_reserved = _reserved_now(torch.cuda.memory_stats(device)) + outside()
 
     def _device_memory(self) -> tuple[int | None, int | None, bool]:
         """(used, total, whether this call read them from the driver rather than returning held values)."""
@@ -101,12 +106,13 @@ class CudaProbe:
             # Read even when the step raised (an OOM step's peak is the most informative one).
             stats = cuda.memory_stats(self.device)
             used, total, fresh = self._device_memory()
+            outside = self.outside()  # a step does not map or unmap: the same at its start and end
             if fresh:  # nothing allocates between the stats and the read: the same moment
-                self._read_reserved = _reserved_now(stats)
+                self._read_reserved = _reserved_now(stats) + outside
             self._last = MemorySample(
-                peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
-                reserved=int(stats.get("reserved_bytes.all.peak", 0)),
-                idle_baseline=idle,
+                peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)) + outside,
+                reserved=int(stats.get("reserved_bytes.all.peak", 0)) + outside,
+                idle_baseline=idle + outside,
                 capacity=self.capacity,
                 device_used=used,
                 device_used_reserved=None if fresh else self._read_reserved,

@@ -158,7 +158,7 @@ class TwinBackend:
         """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
         model it, for the bench's fast path (bench.loadgen). Returns False and changes nothing when
         the step would start at or after `until` or would run out of memory: the engine runs that one."""
-        if self.now() >= until or (self.graphs is not None and self.graphs.needs_capture(n)):
+        if self.now() >= until:
             return False
         m = self.memory
         saved = m.checkpoint()
@@ -175,30 +175,11 @@ class TwinBackend:
         self._finish_step(duration, res)
         return res
 
-    def prepare(self, batch: SchedulerOutput) -> None:
-        """Before a step, outside its measurement (the engine calls it): under realistic sensors a decode-only
-        step whose bucket lost its graph to a KV resize captures it again, into the kept pool, so no memory
-        moves; torch.cuda.graph empties the allocator's cache first, and the capture's time is charged."""
-        graphs, n = self.graphs, len(batch.items)
-        if graphs is None or not graphs.needs_capture(n) or any(it.is_prefill for it in batch.items):
-            return
-        self.memory.empty_cache()
-        graphs.capture(n)
-        self._charge(graphs.capture_s)
-
-    def capture_graphs(self) -> None:
-        """Every bucket's graph captured again after the start-up pool sizing resized the pool (torch backend's
-        capture_graphs); charged to the clock, before any request arrives."""
-        if self.graphs is not None:
-            self._charge(self.graphs.capture_s * len(set(self.graphs.buckets) - self.graphs.captured))
-            self.graphs.capture_all()
-
     def _finish_step(self, duration: float, res: StepResult) -> None:
         m = self.memory
         # the probe reads NVML at the step's end
         used = self.nvml.at(self.now() + duration, m.device_used(), self._reserved_now())
-        graphs = self.graphs.captured if self.graphs is not None else None
-        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external, graphs, used)
+        skey = (res, m.state_id, m.retries, m.ooms, m.persistent, m.external, used)
         sample = self._samples.get(skey)
         if sample is None:
             sample = self._sample(res.peak_allocated, res.peak_reserved, res.allocated_before, used)
@@ -213,24 +194,21 @@ class TwinBackend:
             self._t = start + duration
 
     def resize_kv(self, plan: ResizePlan) -> float:
-        """Resize the modelled KV pool (engine/backends/twin/memory.py: tensor by tensor, allocate, copy, free) and
-        charge the virtual clock what it costs on the card: the moved blocks and the kept pool are read
-        and written once at the copy bandwidth, plus one cudaMalloc per new tensor ([kv_resize]).
-        Copying, not mapping pages: it is what the torch backend does on CUDA (engine/backends/torch_backend.py),
-        and at ~1 TB/s a 4 GiB pool copies in under 10 ms, a fraction of one prefill step. Raises
-        torch.OutOfMemoryError (pool unchanged, nothing charged) when the transient does not fit."""
+        """Resize the modelled KV pool in place, as the torch backend's pool in CUDA virtual memory does
+        (MemoryModel.resize_pool): the CUDA graphs keep their addresses. Charged what it costs on the card: the
+        moved blocks read and written, the added blocks zeroed, one map or unmap per block ([kv_resize]). Raises
+        torch.OutOfMemoryError (pool unchanged, nothing charged) when a grow does not fit."""
         m = self.memory
         try:
-            staged = m.resize_pool(plan.num_blocks)
+            m.resize_pool(plan.num_blocks)
         except DeviceOOM as e:
             import torch  # only for the exception type a real device raises
 
             raise torch.OutOfMemoryError(str(e)) from e
         self.num_blocks = plan.num_blocks
         self.probe.idle_bytes = m.persistent
-        if self.graphs is not None:  # they captured the old KV tensors
-            self.graphs.release_graphs()
-        return self._charge(self.resize_cost(plan, staged))
+        self._refresh_sample()
+        return self._charge(self.resize_cost(plan))
 
     can_swap = True
 
@@ -252,31 +230,34 @@ class TwinBackend:
         self.busy_time += cost
         return cost
 
-    def resize_cost(self, plan: ResizePlan, staged: bool = False) -> float:
-        """Seconds one resize takes on the card (see resize_kv); `staged`: the first tensor's kept blocks
-        went to host memory and back as well."""
-        r = self.profile.section("kv_resize")
-        m = self.memory
-        copied = (min(plan.num_blocks, plan.old_num_blocks) + len(plan.moves)) * m.block_bytes
-        cost = 2 * copied / float(r["copy_bytes_per_s"]) + m.kv_tensors * float(r["malloc_s"])
-        if staged:
-            cost += 2 * (plan.num_blocks * m.block_bytes // m.kv_tensors) / float(r["host_copy_bytes_per_s"])
-        return cost
+    def resize_cost(self, plan: ResizePlan) -> float:
+        """Seconds one resize takes on the card (see resize_kv)."""
+        r, block = self.profile.section("kv_resize"), self.memory.block_bytes
+        written = (2 * len(plan.moves) + max(plan.delta, 0)) * block
+        return written / float(r["copy_bytes_per_s"]) + abs(plan.delta) * float(r["map_s"])
 
     def set_external(self, nbytes: int) -> int:
         """Another process on the card asks for `nbytes` in all (0: it lets go); it gets what the driver
         has free (MemoryModel.set_external) and the bytes it holds are returned. A scenario calls this
         between steps, as often as the other process retries. The probe's latest sample is refreshed: ideal
         sensors see the new bytes at once, realistic ones at the probe's next NVML read."""
-        m = self.memory
-        held = m.set_external(nbytes)
-        used = self.nvml.at(None, m.device_used(), self._reserved_now())
-        self.probe._last = self._sample(m.allocated, m.reserved, m.allocated, used)
+        held = self.memory.set_external(nbytes)
+        self._refresh_sample()
         return held
 
+    def _refresh_sample(self) -> None:
+        """The probe's latest sample as the device is now, between steps (no NVML read there): what a step that
+        never reached the device (an injected OOM) reports, as a real probe reads fresh stats after any step."""
+        m = self.memory
+        used = self.nvml.at(None, m.device_used(), self._reserved_now())
+        self.probe._last = self._sample(m.allocated, m.reserved, m.allocated, used)
+
     def recover_from_oom(self) -> None:
-        """torch.cuda.empty_cache(): hand every wholly free cached segment back to the driver."""
-        self.memory.empty_cache()
+        """After a failed step: let go of the previous step's output, which would pin its cached segment through
+        every retry. The cache is not emptied: a cudaMalloc that fails releases it and retries at once, for this
+        process, where an empty_cache between steps hands it to another process short of memory and the step
+        run again fails for want of it, step after step (bench/results/fault_campaign.md)."""
+        self.memory.drop_output()
 
     def _reserved_now(self) -> int:
         """The allocator's reserved bytes now (reserved_bytes.all.current), as the sample's `reserved` counts them."""

@@ -106,11 +106,11 @@ class CachingAllocator:
     def malloc(self, tag: object, size: int) -> None:
         size = block_round(size)
         if size <= SMALL_SIZE:
-            self.small_live += size
-            if self.small_live > self.small_reserved:
-                grow = -(-(self.small_live - self.small_reserved) // SMALL_SEGMENT) * SMALL_SEGMENT
-                self._cuda_malloc(grow)
+            if self.small_live + size > self.small_reserved:
+                grow = -(-(self.small_live + size - self.small_reserved) // SMALL_SEGMENT) * SMALL_SEGMENT
+                self._cuda_malloc(grow)  # live only once it has its segment: a failed flush counts no phantom
                 self.small_reserved += grow
+            self.small_live += size
             self._where[tag] = (None, [size, tag])
         else:
             seg, block = self._best_fit(size)
@@ -203,7 +203,6 @@ class MemoryModel:
         self.context = int(dev["cuda_context_bytes"])
         self.weights = int(model["weight_bytes"])
         self.block_bytes = block_size * int(model["kv_bytes_per_token"])
-        self.kv_tensors = 2 * int(model["layers"])  # a K and a V tensor per layer (flash-attn's paged layout)
         self.workspaces = int(mem["idle_workspace_bytes"])
         self.external = 0  # bytes other processes hold on the device
         self.graph_bytes = 0  # CUDA graph pool and cuBLAS workspaces, outside the step trace (sensors.py)
@@ -239,28 +238,24 @@ class MemoryModel:
         """Bytes cudaMalloc can still get from the driver without flushing this process's cache."""
         return self.limit - self.reserved
 
-    def resize_pool(self, num_blocks: int) -> bool:
-        """Reallocate the KV pool tensor by tensor (allocate the new one, copy, free the old one), as the
-        torch backend does on CUDA. The transient peak above the old footprint is the growth plus the
-        smaller of one old or one new tensor. As cudaMalloc would, a resize that does not fit flushes the
-        cache and retries. A shrink that still has no room for its first new tensor (another process took
-        every free byte) stages that tensor's kept blocks through host memory: the old tensor is freed
-        before the new one is made, and each later new tensor fits in what an old one freed. Returns True
-        when it staged. A grow that does not fit raises DeviceOOM and the pool is unchanged. The freed old
-        tensors go back to the driver (the backend calls empty_cache after a resize)."""
-        old, new = self.kv_pool, num_blocks * self.block_bytes
-        transient = max(new - old, 0) + min(old, new) // self.kv_tensors
-        staged = False
-        if transient > self.driver_free:
+    def resize_pool(self, num_blocks: int) -> None:
+        """Map or unmap the blocks the pool gains or loses, in place (the torch backend's pool in CUDA virtual
+        memory, engine/model/kv_arena.py): a grow needs only the bytes it adds, and when the driver has too few
+        the backend empties the allocator's cache and tries once more; a shrink allocates nothing, and the backend
+        empties the cache after it, so that what the pool gave up reaches whoever is short of memory (a shrink
+        is for memory another process wants). A grow that still does not fit raises DeviceOOM and the pool is
+        unchanged."""
+        growth = (num_blocks - self.num_blocks) * self.block_bytes
+        if growth > self.driver_free:
             self.empty_cache()
-            staged = transient > self.driver_free
-            if staged and new > old:
+            if growth > self.driver_free:
                 raise DeviceOOM(
-                    f"CUDA out of memory resizing the KV pool from {old / MIB:.0f} to {new / MIB:.0f} MiB: needs "
-                    f"{transient / MIB:.0f} MiB at its peak, {self.driver_free / MIB:.0f} MiB free"
+                    f"CUDA out of memory growing the KV pool by {growth / MIB:.0f} MiB: "
+                    f"{self.driver_free / MIB:.0f} MiB free"
                 )
         self._set_pool(num_blocks)
-        return staged
+        if growth < 0:
+            self.empty_cache()
 
     def set_graph_bytes(self, nbytes: int) -> None:
         """CUDA graph pools and cuBLAS workspaces hold `nbytes` of the driver's memory (sensors.py)."""
@@ -277,7 +272,7 @@ class MemoryModel:
         return self.external
 
     def fragment(self, sizes: tuple[int, ...]) -> None:
-        """Fault injection (bench/fault_campaign.py): another user of this allocator frees what it held, then
+        """Fault injection (bench/fault_run.py): another user of this allocator frees what it held, then
         carves blocks of `sizes` (each over 1 MiB) in order out of a cached segment of their sum and frees every
         other one, from the first: the live ones split the segment and pin it against a flush until the next
         call. When the driver cannot give that segment (after a flush), that user takes nothing."""
@@ -386,6 +381,15 @@ class MemoryModel:
         else:
             self.held = new if self.retain_output and m.logits_rows else 0
         return res
+
+    def drop_output(self) -> None:
+        """The engine lets go of the previous step's output (its recovery from an OOM: the step runs again and
+        makes its own). Its segment stays cached, for this process's next cudaMalloc to reuse or release."""
+        if self.held:
+            a = CachingAllocator.from_key(self.limit, self.state)
+            a.free(self.held)
+            self.held = 0
+            self.state_id, self._current = self._intern(a.key())
 
     def empty_cache(self) -> None:
         a = CachingAllocator.from_key(self.limit, self.state)

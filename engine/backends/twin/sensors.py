@@ -8,17 +8,14 @@ the per-step allocator trace (`--twin-sensors`).
   its read, so the controller does not take those bytes for memory outside its allocator (controller/budget.py);
 - decode CUDA graphs are captured for every batch bucket at start-up (`engine/model/cuda_graphs.py`) into one
   private pool the backend keeps, with a cuBLAS workspace per stream that ran a GEMM. Both hold driver memory
-  from before the first step (so the controller's start-up profile counts them), both count in the allocator's
+  from before the first step (so the controller's start-up profile counts them) and count in the allocator's
   reserved bytes (PyTorch counts private-pool segments and the workspaces it allocates through the caching
-  allocator), and a KV resize drops the graphs, which are captured again between steps.
+  allocator); the KV pool is resized in place, so they never change.
 
 Every constant comes from the profile's [sensors] section, labelled there as fact or hypothesis.
 """
 
 from __future__ import annotations
-
-from bisect import bisect_left
-from collections.abc import Iterable
 
 from engine.backends.twin.memory import block_round, segment_size
 from engine.backends.twin.profile import Profile
@@ -54,61 +51,23 @@ class GraphMemory:
     """CUDA graph pools and cuBLAS workspaces: driver memory held beside the weights and the KV pool, outside
     the per-step allocator trace, as the torch backend takes it (engine/model/cuda_graphs.py).
 
-    Every bucket is captured at start-up, largest first, into one private pool that the backend keeps alive
-    (a torch.cuda.MemPool): a capture reuses what the larger one freed, so the pool holds the largest working
-    set (its cudaMalloc'd segment) plus every graph's output. A KV resize drops the graphs, their outputs go
-    back to the kept pool, and a bucket is captured again into it before its next decode step, outside the
-    step's measurement: the pool's reserved bytes never change after start-up, only the capture time is paid.
-    Three streams hold a cuBLAS workspace for the life of the process: the compute stream, the one warm-up
-    stream every capture reuses and torch.cuda.graph's capture stream."""
+    Every bucket is captured at start-up, largest first, into one private pool the backend keeps: a capture
+    reuses what the larger one freed, so the pool holds the largest working set (its cudaMalloc'd segment) plus
+    every graph's output. The KV pool is resized in place (engine/model/kv_arena.py), so the graphs stay valid
+    and nothing here changes after start-up. Three streams hold a cuBLAS workspace for the life of the process:
+    the compute stream, the one warm-up stream every capture reuses and torch.cuda.graph's capture stream."""
 
     STREAMS = 3
 
     def __init__(self, section: dict) -> None:
-        self.buckets = tuple(sorted(int(b) for b in section["graph_buckets"]))
-        self.work_row = int(section["graph_work_row_bytes"])
-        self.output_row = int(section["graph_output_row_bytes"])
-        self.workspace = int(section["cublas_workspace_bytes"])
-        self.capture_s = float(section["graph_capture_s"])
-        self.captured: frozenset[int] = frozenset()
-        self.capture_all()
+        buckets = sorted(int(b) for b in section["graph_buckets"])
+        outputs = sum(block_round(b * int(section["graph_output_row_bytes"])) for b in buckets)
+        pool = segment_size(buckets[-1] * int(section["graph_work_row_bytes"])) if buckets else 0
+        workspaces = self.STREAMS * int(section["cublas_workspace_bytes"])
+        self.reserved = pool + outputs + workspaces  # bytes held from the driver
+        # of those, bytes live in the allocator's stats: a graph's intermediates are free blocks of its pool
+        self.allocated = outputs + workspaces
 
     @classmethod
     def from_profile(cls, profile: Profile) -> GraphMemory:
         return cls(profile.section("sensors"))
-
-    def bucket(self, n: int) -> int | None:
-        """The bucket a decode step of `n` replays; None when it runs eagerly (too large, or no graphs)."""
-        i = bisect_left(self.buckets, n)
-        return self.buckets[i] if i < len(self.buckets) else None
-
-    def needs_capture(self, n: int) -> bool:
-        b = self.bucket(n)
-        return b is not None and b not in self.captured
-
-    def capture(self, n: int) -> None:
-        self.captured = self.captured | {self.bucket(n)}
-
-    def capture_all(self) -> None:
-        self.captured = frozenset(self.buckets)
-
-    def release_graphs(self) -> None:
-        """A KV resize replaces the tensors the graphs captured: they are dropped (the pool is kept)."""
-        self.captured = frozenset()
-
-    def _outputs(self, buckets: Iterable[int]) -> int:
-        return sum(block_round(b * self.output_row) for b in buckets)
-
-    @property
-    def reserved(self) -> int:
-        """Bytes held from the driver: the pool as start-up left it, and the workspaces."""
-        workspaces = self.STREAMS * self.workspace
-        if not self.buckets:
-            return workspaces
-        return segment_size(self.buckets[-1] * self.work_row) + self._outputs(self.buckets) + workspaces
-
-    @property
-    def allocated(self) -> int:
-        """Of those, bytes live in the allocator's stats: the workspaces and the live graphs' outputs (a graph's
-        intermediates and a dropped graph's output are free blocks of the kept pool)."""
-        return self._outputs(self.captured) + self.STREAMS * self.workspace

@@ -17,6 +17,8 @@ CALLS: list[str] = []  # entry points called, in order, for tests to read
 def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise RuntimeError("paged k/v cache must be [num_blocks, page_block_size, nheads_k, headdim]")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:  # any block stride, as flash-attn's k_batch_stride
+        raise RuntimeError("Input tensor must have contiguous last dimension")
     if k_cache.shape[1] % 256:
         raise RuntimeError("Paged KV cache block size must be divisible by 256")
     if block_table.dtype != torch.int32:
