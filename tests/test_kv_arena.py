@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.backends import torch_backend
-from engine.model.cuda_graphs import Replay
+from engine.model.cuda_graphs import DecodeGraphMetadata, Replay
 from engine.model.kv_arena import KVArena
 from engine.model.model_config import ModelConfig
 from telemetry.probes.null import NullProbe
@@ -125,6 +125,19 @@ def test_the_backend_keeps_its_graphs_over_a_resize_of_a_pool_in_virtual_memory(
         fn()
         return fn
 
+    seen: list[int] = []  # pool blocks the graph path's K/V views span
+    model = b.model
+
+    class Spy:
+        def __call__(self, ids, positions, caches, meta):  # noqa: ANN001, ANN204
+            if isinstance(meta, DecodeGraphMetadata):
+                seen.append(caches[0][0].shape[0])
+            return model(ids, positions, caches, meta)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(model, name)
+
+    b.model = Spy()
     b.graphs = graphs = b.make_decode_graphs(capture)
     _, engine = generate(b, prompts(b, 2), max_tokens=3)
     engine.resize_kv_pool(12)
@@ -133,6 +146,8 @@ def test_the_backend_keeps_its_graphs_over_a_resize_of_a_pool_in_virtual_memory(
     tokens, _ = generate(b, prompts(b, 2), max_tokens=8)
     assert tokens == eager_tokens
     assert len(captured) == 1 and captured[0] == pointers(b.kv_arena)  # bucket 2, captured once
+    # the graph's views span the whole reserved range, so the K/V writes it captured stay in bounds as it grows
+    assert set(seen) == {b.kv_arena.max_blocks} and b.kv_arena.max_blocks > b.num_blocks
 
 
 class FakeDriverApi:

@@ -264,7 +264,8 @@ class TorchBackend:
         width = min(-(-self._context_cap // self.block_size), pool)
 
         def forward(ids: torch.Tensor, positions: torch.Tensor, meta: DecodeGraphMetadata) -> torch.Tensor:
-            return self.model(ids, positions, self.kv_caches, meta)
+            arena = self.kv_arena  # its whole range: the graph outlives every resize (KVArena.caches)
+            return self.model(ids, positions, arena.caches(arena.max_blocks) if arena else self.kv_caches, meta)
 
         return DecodeGraphs(forward, width, self.device, capture)
 

@@ -75,9 +75,12 @@ class KVArena:
     def mapped_bytes(self) -> int:
         return self.num_blocks * self.chunk
 
-    def caches(self) -> list[KVCache]:
-        """Each layer's (K, V) over the mapped blocks: views of the same addresses whatever the pool's size."""
-        n = self.num_blocks
+    def caches(self, blocks: int | None = None) -> list[KVCache]:
+        """Each layer's (K, V) over the first `blocks` blocks (None: the mapped ones): views of the same
+        addresses whatever the pool's size. A CUDA graph takes views of the whole range (`max_blocks`): the
+        bounds of the K and V writes it captures are those of its views, and it must stay valid as the pool
+        grows; only the blocks its tables name are ever touched, and those are mapped."""
+        n = self.num_blocks if blocks is None else blocks
         return [(self.base[:n, layer, 0], self.base[:n, layer, 1]) for layer in range(self.base.shape[1])]
 
     def resize(self, num_blocks: int, moves: dict[int, int]) -> None:
