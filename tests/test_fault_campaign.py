@@ -11,7 +11,8 @@ import pytest
 
 from bench.fault_campaign import TARGETS, Load, campaign, drive, trace_load, twin_engine
 from bench.fault_run import ArmedOOMs, Fault, Rates, schedule
-from engine.backends.twin.memory import MIB, MemoryModel, StepMemory
+from engine.backends.twin.allocator import MIB
+from engine.backends.twin.memory import MemoryModel, StepMemory
 from engine.backends.twin.profile import load_profile
 from engine.cli import engine_config
 from engine.factory import build_engine

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.backends.twin.allocator import MIB
 from engine.backends.twin.backend import TwinBackend
-from engine.backends.twin.memory import MIB
 from engine.baselines.seed import FixedPolicy
 from engine.core.kv_cache import BlockAllocator
 from engine.core.llm_engine import LLMEngine

@@ -6,17 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.backends.twin.allocator import MIB, CachingAllocator, DeviceOOM, segment_size
 from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.memo import LRUMemo
-from engine.backends.twin.memory import (
-    MEMO_SIZE,
-    MIB,
-    CachingAllocator,
-    DeviceOOM,
-    MemoryModel,
-    StepMemory,
-    segment_size,
-)
+from engine.backends.twin.memory import MEMO_SIZE, MemoryModel, StepMemory
 from engine.backends.twin.profile import load_profile
 from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.core.sampling_params import SamplingParams

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import pytest
 
 from bench.loadgen import run_closed_loop
+from engine.backends.twin.allocator import segment_size
 from engine.backends.twin.backend import TwinBackend
-from engine.backends.twin.memory import segment_size
 from engine.backends.twin.profile import load_profile
 from engine.baselines.seed import SeedStaticPolicy
 from engine.config import ConfigError, EngineConfig

@@ -286,8 +286,8 @@ class TorchBackend:
 
     def prepare(self, batch: SchedulerOutput) -> None:
         """Before the step, outside its measurement (Backend.prepare): the graph it replays, if a resize dropped it."""
-        if batch.items and self._graph_fits(batch):
-            self.graphs.prepare(*self._graph_inputs(batch))
+        if batch.items and self._graph_fits(batch) and not self.graphs.has_graph(len(batch.items)):
+            self.graphs.capture_for(*self._graph_inputs(batch))
 
     def _graph_inputs(self, batch: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         """A decode-only step's token ids, positions, KV slots and block tables, a row per sequence."""

@@ -14,7 +14,7 @@ What a graph needs, and where it comes from:
   reads them from `cache_seqlens` on the device (engine/model/attention.py, backend "flash_decode"); the sdpa
   kernel sizes its gathers on the host, so it runs eagerly;
 - the KV tensors it captured: a pool resize replaces them, so the backend drops every graph then and
-  captures a bucket again before its next decode step (`prepare`).
+  captures a bucket again before its next decode step (`capture_for`, from the backend's `prepare`).
 Where the memory goes, and why the controller sees it: every bucket is captured at start-up, largest first,
 into one private pool (a torch.cuda.MemPool the backend keeps), before the controller's profiling steps, so
 the pool and the cuBLAS workspaces are in the idle footprint those steps measure; a capture after a resize
@@ -137,15 +137,15 @@ class DecodeGraphs:
         replay = self.replays.get(size) or self._capture(size)
         return None if replay is None else replay()[: len(ids)]
 
-    def prepare(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> None:
-        """Capture the graph the decode step with these inputs replays if it has none (a resize dropped it),
-        between steps, so that the capture's time and memory are not the step's. The capture runs the forward
-        over the step's own inputs: it writes the K and V the step will write again, and no other slot (the
-        buffers' last contents may name blocks that now hold another sequence's tokens)."""
-        size = bucket_for(len(ids), self.sizes)
-        if size not in self.replays:
-            self.load(ids, positions, slots, tables)
-            self._capture(size)
+    def has_graph(self, n: int) -> bool:
+        return bucket_for(n, self.sizes) in self.replays
+
+    def capture_for(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> None:
+        """Capture the graph the decode step with these inputs replays (a resize dropped it), between steps, so
+        that the capture's time and memory are not the step's. The capture runs the forward over the step's own
+        inputs: it writes the K and V the step will write again, and no other slot (the buffers' last contents
+        may name blocks that now hold another sequence's tokens)."""
+        self._capture(self.load(ids, positions, slots, tables))
 
     def capture_all(self) -> None:
         """Every bucket without a graph, largest first: the pool's segment is cut once for the largest working

@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 
+from engine.backends.twin.allocator import DeviceOOM
 from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.backends.twin.memo import LRUMemo
-from engine.backends.twin.memory import MEMO_SIZE, DeviceOOM, MemoryModel, StepMemory, StepResult
+from engine.backends.twin.memory import MEMO_SIZE, MemoryModel, StepMemory, StepResult
 from engine.backends.twin.profile import DEFAULT_PROFILE, Profile, load_profile
 from engine.backends.twin.sensors import GraphMemory, NvmlSensor
 from engine.config import TWIN_SENSORS

@@ -17,7 +17,7 @@ Every constant comes from the profile's [sensors] section, labelled there as fac
 
 from __future__ import annotations
 
-from engine.backends.twin.memory import block_round, segment_size
+from engine.backends.twin.allocator import block_round, segment_size
 from engine.backends.twin.profile import Profile
 
 
