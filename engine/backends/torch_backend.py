@@ -22,6 +22,7 @@ from engine.model.attention import (
     swap_out_blocks,
 )
 from engine.model.batch_invariance import linear_min_rows
+from engine.model.cpu_forward import fused_layers
 from engine.model.cpu_kernels import CpuKernelOps, head_dim_unsupported, linear_unusable_reason
 from engine.model.cuda_graphs import Capture, DecodeGraphMetadata, DecodeGraphs, cuda_graph_capture
 from engine.model.dtype_choice import choose_dtype
@@ -29,6 +30,7 @@ from engine.model.kernel_choice import KernelChoice, choose_kernel
 from engine.model.kv_arena import KVArena, cuda_vmm
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
+from engine.model.quant import choose_quantization
 from telemetry.probes import make_probe
 from telemetry.probes.cpu import tensor_bytes
 from telemetry.units import parse_bytes
@@ -68,6 +70,7 @@ class TorchBackend:
         model: str | LoadedModel = "default",
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = "auto",
+        quantization: str = "auto",
         num_blocks: int | None = None,
         block_size: int | None = None,
         attention: str = "auto",
@@ -81,7 +84,8 @@ class TorchBackend:
     ) -> None:
         """model: a spec for engine/model/loaders (`default`, a GGUF file, an HF directory), or a model already
         loaded in this dtype on this device (engine/model/loaders/random_model.py). dtype `auto`:
-        engine/model/dtype_choice.py; `dtype_reason` says why. `attention` and `block_size` None:
+        engine/model/dtype_choice.py; `dtype_reason` says why. `quantization` (auto, none or a GGUF type):
+        engine/model/quant.py `choose_quantization`; `quant_reason` says why. `attention` and `block_size` None:
         engine/model/kernel_choice.py (on the CPU the C++ kernels, `_use_kernels`; flash-attn with 256-token
         blocks where it runs; else sdpa, plain torch, with 16); `kernel_reason` says why.
         `device_memory` caps the device's capacity ("2GiB"; on CPU, an emulated device) for the probe and the
@@ -101,8 +105,9 @@ class TorchBackend:
         kernel = choose_kernel(attention, block_size, self.device, self.dtype)
         self.block_size = kernel.block_size
         capacity = parse_bytes(device_memory) if device_memory is not None else None
-        cache = ModelCache() if model_cache else None
-        loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache)
+        quant = choose_quantization(quantization, self.device, cpu_kernels.unusable_reason(self.device, self.dtype))
+        self.quant_reason, cache = quant.reason, ModelCache() if model_cache else None
+        loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache, quant.mode)
         self.model, self.config, self.model_name = loaded.model, loaded.config, loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -168,8 +173,13 @@ class TorchBackend:
             elif linear_blocker is not None and self.dtype == torch.bfloat16:
                 logger.warning("bf16 linears on torch, not the C++ kernel: %s", linear_blocker)
             linears = "the bf16 kernel" if linear_blocker is None else f"torch ({linear_blocker})"
+            if self.model.quantized:
+                linears = f"the quantized kernel, {cpu_kernels.qlinear_isa()} (float ones: {linears})"
             self.kernel_reason += f"; linears: {linears}"
         self.model.pack_linears(cpu_kernel=linear_blocker is None)
+        self.model.fused = fused_layers(self.model)
+        if self.model.fused is not None:
+            self.kernel_reason += "; decoder layers: one C++ call a step"
 
     def _default_probe(self, capacity: int | None) -> Any:
         """telemetry's probe for this device, told what the weights and the KV pool hold at rest."""

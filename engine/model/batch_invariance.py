@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.model.cpu_kernels import PackedLinear, cpu_linear, pack_linear
+from engine.model.cpu_kernels import PackedLinear, cpu_linear, cpu_qlinear, pack_linear
 from engine.model.dtype_choice import onednn_runs_bf16
+from engine.model.quant import is_packed
 
 BF16_MIN_ROWS = 2
 # Batch sizes the probe compares: every small one (where kernels switch by row count) and a few large.
@@ -58,7 +59,9 @@ def prepacked(weight: torch.Tensor) -> torch.Tensor:
 def linear_weight(weight: torch.Tensor, cpu_kernel: bool) -> torch.Tensor | PackedLinear:
     """`weight` as the model's linear runs it: packed for Headroom's bf16 kernel where `cpu_kernel` (the
     backend found it usable: engine/model/cpu_kernels.py `linear_unusable_reason`) and the shape fits, else
-    `prepacked`."""
+    `prepacked`. A quantized weight (packed bytes, engine/model/quant.py) is already in its kernel's layout."""
+    if is_packed(weight):
+        return weight
     packed = pack_linear(weight) if cpu_kernel else None
     return packed if packed is not None else prepacked(weight)
 
@@ -66,9 +69,11 @@ def linear_weight(weight: torch.Tensor, cpu_kernel: bool) -> torch.Tensor | Pack
 def padded_linear(x: torch.Tensor, weight: torch.Tensor | PackedLinear, min_rows: int = 1) -> torch.Tensor:
     """F.linear(x, weight) for x [T, K], computed over at least `min_rows` rows (zeros appended), so that
     the kernel, and with it each row's summation order, is the one a batch of `min_rows` rows gets.
-    `weight` may be `prepacked`, or a PackedLinear, whose kernel needs no padding."""
+    `weight` may be `prepacked`, a PackedLinear or quantized bytes, whose kernels need no padding."""
     if isinstance(weight, PackedLinear):
         return cpu_linear(x, weight)
+    if is_packed(weight):
+        return cpu_qlinear(x, weight)
     rows = x.shape[0]
     if rows < min_rows:
         padded = _zero_rows(min_rows, x.shape[1], x.dtype, x.device)

@@ -32,17 +32,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache_dir import default_cache_dir
-from engine.model.dtype_choice import read_cpu_facts
+from engine.model.dtype_choice import isa_cap, read_cpu_facts
+from engine.model.quant import packed_shape
 
 if TYPE_CHECKING:
     from engine.model.attention_metadata import AttentionMetadata, KVCache
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp")  # in CSRC
+# in CSRC
+SOURCES = ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp", "qlinear.cpp", "forward.cpp")
 HEADERS = ("vec.h",)
 # -Wno-psabi: without AVX-512, GCC notes that 16-float vectors would be passed differently; none crosses the
 # library's boundary
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}  # $HEADROOM_CPU_ISA (dtype_choice.py): no AVX-512 subset
 DTYPES = (torch.bfloat16, torch.float32)
 COMPILER_ENV = "CXX"
 
@@ -58,8 +61,13 @@ SIGNATURES = {
     "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
     "headroom_linear_bf16": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
     "headroom_linear_available": [],
+    "headroom_qlinear": [_i32, _p, _i64, _p, _i32, _i32, _p, _i64, _i64, _i64, _i32, _i32],
+    "headroom_qrows": [_p, _i32, _i64, _p, _i64, _i32, _p],
+    "headroom_qlinear_isa": [],
+    "headroom_decoder_layers": [_p],
 }  # fmt: skip
-RESULTS = {"headroom_linear_available": ctypes.c_int}  # the functions that return something
+# the functions that return something
+RESULTS = {"headroom_linear_available": ctypes.c_int, "headroom_qlinear_isa": ctypes.c_int}
 LINEAR_BLOCK = 16  # outputs per packed block of the linear kernel (engine/model/csrc/linear.cpp)
 ERROR_LINES = 4  # the compiler's first error lines a failed build reports: the first error is the cause
 
@@ -98,14 +106,15 @@ def _compiled(compiler: str, csrc: Path, cache_root: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     cpu = read_cpu_facts()  # -march=native compiles for this CPU: another one rebuilds
     machine = [os.uname().machine, cpu.model, *sorted(cpu.flags)]
-    key = "\n".join([*((csrc / name).read_text() for name in (*SOURCES, *HEADERS)), *FLAGS, version, *machine])
+    flags = (*FLAGS, *ISA_FLAGS[isa_cap()])
+    key = "\n".join([*((csrc / name).read_text() for name in (*SOURCES, *HEADERS)), *flags, version, *machine])
     target = cache_root / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / "kernels.so"
-        cmd = [compiler, *FLAGS, "-o", str(built), *(str(csrc / name) for name in SOURCES)]
+        cmd = [compiler, *flags, "-o", str(built), *(str(csrc / name) for name in SOURCES)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise BuildError(first_errors(proc.stderr.replace(f"{csrc}/", "")) or f"exit status {proc.returncode}")
@@ -273,4 +282,39 @@ def cpu_linear(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
         x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), out.data_ptr(), x.shape[0], weight.out_features,
         weight.in_features, torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+QLINEAR_ISAS = {2: "AVX512-VNNI (vpdpbusd)", 1: "AVX2 (vpmaddubsw)", 0: "plain C++"}
+
+
+def qlinear_isa() -> str:
+    """The vector path the quantized kernel was built with on this CPU."""
+    return QLINEAR_ISAS[_lib().headroom_qlinear_isa()]
+
+
+def cpu_qlinear(x: torch.Tensor, packed: torch.Tensor, plain: bool = False) -> torch.Tensor:
+    """x [T, K] (bf16 or fp32) @ W^T for a packed quantized W (engine/model/quant.py), in x's dtype: x quantized
+    per 32-block to int8, integer block sums, blocks folded in one fixed order (batch-invariant). `plain`: the
+    plain C++ path, which gives the same bits (the tests' reference)."""
+    n, k, bits = packed_shape(packed)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], n), dtype=x.dtype)
+    bf16 = x.dtype == torch.bfloat16
+    _lib().headroom_qlinear(
+        bf16, x.data_ptr(), x.stride(0), packed.data_ptr(), bits, bf16, out.data_ptr(), x.shape[0], n, k, plain,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def cpu_qembedding(ids: torch.Tensor, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a packed quantized table, dequantized to `dtype`: the embedding lookup of a model whose
+    (tied) embedding stays quantized."""
+    _, k, bits = packed_shape(packed)
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.shape[0], k), dtype=dtype)
+    bf16 = dtype == torch.bfloat16
+    _lib().headroom_qrows(packed.data_ptr(), bits, k, ids.data_ptr(), ids.shape[0], bf16, out.data_ptr())
     return out

@@ -27,6 +27,12 @@ DTYPES = {
 # /proc/cpuinfo flags of the instructions that make bf16 matmuls fast (bf16 dot products)
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # ONEDNN_MAX_CPU_ISA values that stop oneDNN below its bf16 dot-product kernels (oneDNN's names)
+# HEADROOM_CPU_ISA=avx2 runs this process as on an AVX2-only CPU: the AVX-512 and AMX flags are hidden from
+# every choice here, and the C++ kernels are built without them (engine/model/cpu_kernels.py). With torch's
+# own caps (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2) it is how the
+# suite and the benchmarks run the AVX2 path on a machine that has AVX-512 (scripts/test_avx2.sh).
+ISA_ENV = "HEADROOM_CPU_ISA"
+ISA_CAPS = {"native": (), "avx2": ("avx512", "amx")}  # flag prefixes each cap hides
 ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
 
@@ -59,12 +65,21 @@ def read_cpu_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFacts:
         for line in cpuinfo.read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")
             fields.setdefault(key.strip(), value.strip())
+    hidden = ISA_CAPS[isa_cap()]
     return CpuFacts(
         model=fields.get("model name", ""),
-        flags=frozenset(fields.get("flags", "").split()),
+        flags=frozenset(f for f in fields.get("flags", "").split() if not f.startswith(hidden or ("\0",))),
         onednn_bf16=onednn_runs_bf16(),
         onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"),
     )
+
+
+def isa_cap() -> str:
+    """$HEADROOM_CPU_ISA: native (the default) or avx2."""
+    cap = os.environ.get(ISA_ENV, "native").lower() or "native"
+    if cap not in ISA_CAPS:
+        raise ValueError(f"{ISA_ENV}={cap!r}: use one of {', '.join(ISA_CAPS)}")
+    return cap
 
 
 @dataclass(frozen=True)

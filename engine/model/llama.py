@@ -7,6 +7,7 @@ each, which on CPU saves more time than anything else at small batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,9 @@ from torch import nn
 from engine.model.attention import paged_attention
 from engine.model.attention_metadata import AttentionMetadata, KVCache
 from engine.model.batch_invariance import linear_weight, padded_linear
+from engine.model.cpu_kernels import cpu_qembedding
 from engine.model.model_config import ModelConfig
+from engine.model.quant import AS_SHIPPED, KINDS, RawQuant, concat, is_packed, pack, packed_shape, quantize
 
 if TYPE_CHECKING:
     from engine.model.cpu_kernels import CpuKernelOps, PackedLinear
@@ -139,6 +142,9 @@ class LlamaModel(nn.Module):
     linear_min_rows: int = 1
     # The elementwise ops: plain torch unless the backend sets the C++ kernels (engine/model/cpu_kernels.py).
     ops: TorchOps | CpuKernelOps = TorchOps()
+    # All the layers as one C++ call (engine/model/cpu_forward.py), where the backend found every op on the C++
+    # kernels; None: the Python loop below.
+    fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
@@ -162,11 +168,19 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The activations' dtype (a quantized model's linears hold packed bytes: engine/model/quant.py)."""
+        return self.norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
+
+    @property
+    def quantized(self) -> bool:
+        return is_packed(self.embed) or any(is_packed(w) for w in self._linears())
+
+    def _linears(self) -> list[torch.Tensor]:
+        return [self.lm_head, *(w for x in self.layers for w in (x.wqkv, x.wo, x.w_gate_up, x.w_down))]
 
     def forward(
         self,
@@ -176,16 +190,22 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] over all sequences' new tokens. Returns final-norm hidden [T, D]."""
-        x, delta = F.embedding(input_ids, self.embed), None
+        if is_packed(self.embed):
+            x, delta = cpu_qembedding(input_ids, self.embed, self.dtype), None
+        else:
+            x, delta = F.embedding(input_ids, self.embed), None
         rope = self.ops.rope_state(self.rope_cos, self.rope_sin, positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, delta = layer(x, delta, rope, kv_cache, meta, self.ops, self.linear_min_rows)
+        if self.fused is not None:
+            x, delta = self.fused(x, rope, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, delta = layer(x, delta, rope, kv_cache, meta, self.ops, self.linear_min_rows)
         return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, delta)[0]
 
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(in_features, out_features) of every distinct linear the model runs, for the kernels' probe."""
-        weights = [self.lm_head, *(w for x in self.layers for w in (x.wqkv, x.wo, x.w_gate_up, x.w_down))]
-        return sorted({(w.shape[1], w.shape[0]) for w in weights})
+        shapes = (packed_shape(w)[:2][::-1] if is_packed(w) else (w.shape[1], w.shape[0]) for w in self._linears())
+        return sorted(set(shapes))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, D] for the rows that sample only (a prompt's other rows never reach the vocab matmul,
@@ -201,31 +221,35 @@ class LlamaModel(nn.Module):
             layer.pack_linears(cpu_kernel)
         self.packed_head = linear_weight(self.lm_head.detach(), cpu_kernel)
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_hf_weights(self, weights: dict[str, torch.Tensor | RawQuant], quantization: str | None = None) -> None:
         """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused layout. The
-        dict is consumed, so each source tensor can be freed once copied."""
+        dict is consumed, so each source tensor can be freed once copied. `quantization` (engine/model/quant.py):
+        None, float weights; AS_SHIPPED, the linears and embedding that ship quantized stay so; a type, every
+        linear and the embedding in it. A quantized weight replaces its float parameter with its packed bytes."""
 
-        def take(name: str) -> torch.Tensor:
+        def take(*names: str) -> torch.Tensor:
             try:
-                return weights.pop(name)
-            except KeyError:
-                raise KeyError(f"checkpoint is missing {name}") from None
+                return _fused([weights.pop(n) for n in names], quantization)
+            except KeyError as e:
+                raise KeyError(f"checkpoint is missing {e.args[0]}") from None
 
+        p = "self_attn.", "mlp."
         with torch.no_grad():
-            self.embed.copy_(take("model.embed_tokens.weight"))
-            self.norm.copy_(take("model.norm.weight"))
+            _assign(self, "embed", take("model.embed_tokens.weight"))
+            _assign(self, "norm", take("model.norm.weight"))
             if not self.cfg.tie_word_embeddings:
-                self.lm_head.copy_(take("lm_head.weight"))
+                _assign(self, "lm_head", take("lm_head.weight"))
             weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
             for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                layer.attn_norm.copy_(take(p + "input_layernorm.weight"))
-                layer.mlp_norm.copy_(take(p + "post_attention_layernorm.weight"))
-                qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-                layer.wqkv.copy_(torch.cat(qkv))
-                layer.wo.copy_(take(p + "self_attn.o_proj.weight"))
-                layer.w_gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-                layer.w_down.copy_(take(p + "mlp.down_proj.weight"))
+                n = f"model.layers.{i}."
+                _assign(layer, "attn_norm", take(n + "input_layernorm.weight"))
+                _assign(layer, "mlp_norm", take(n + "post_attention_layernorm.weight"))
+                _assign(layer, "wqkv", take(*(f"{n}{p[0]}{x}_proj.weight" for x in "qkv")))
+                _assign(layer, "wo", take(f"{n}{p[0]}o_proj.weight"))
+                _assign(layer, "w_gate_up", take(f"{n}{p[1]}gate_proj.weight", f"{n}{p[1]}up_proj.weight"))
+                _assign(layer, "w_down", take(f"{n}{p[1]}down_proj.weight"))
+        if self.cfg.tie_word_embeddings:
+            self.lm_head = self.embed
         unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
         if unused:
             raise ValueError(f"checkpoint has weights this Llama does not use: {unused[:5]}")
@@ -244,15 +268,42 @@ class LlamaModel(nn.Module):
         copied (so on CPU tensors mapped from a file stay mapped). Raises ValueError unless every weight is
         there, in the model's shape and dtype."""
         dtype = self.dtype
-        wrong = [name for name, w in weights.items() if w.dtype != dtype]
+        wrong = [name for name, w in weights.items() if w.dtype != dtype and not is_packed(w)]
         if wrong:
             raise ValueError(f"weights {wrong[:5]} are not {dtype}")
         state = {name: w.to(self.device) for name, w in weights.items()}
         if self.cfg.tie_word_embeddings and "embed" in state:
             state["lm_head"] = state["embed"]
         try:
+            for name, w in state.items():  # packed bytes take their float parameter's place, so shapes match
+                module, _, leaf = name.rpartition(".")
+                old = getattr(self.get_submodule(module), leaf, None)
+                if is_packed(w) and old is not None and tuple(old.shape) == packed_shape(w)[:2]:
+                    _assign(self.get_submodule(module), leaf, w)
             self.load_state_dict(state, assign=True)
-        except (RuntimeError, TypeError) as e:  # missing, unexpected or misshapen weights
+        except (RuntimeError, TypeError, AttributeError, KeyError) as e:  # missing, unexpected or misshapen weights
             raise ValueError(str(e)) from e
         if self.cfg.tie_word_embeddings:
             self.lm_head = self.embed
+
+
+def _fused(parts: list[torch.Tensor | RawQuant], quantization: str | None) -> torch.Tensor:
+    """One weight from its checkpoint parts (q/k/v, gate/up, or a single one): packed quantized bytes where
+    `quantization` asks for them (engine/model/quant.py), else the floats, dequantized where they ship quantized.
+    Parts that ship quantized in the asked type (or, AS_SHIPPED, in one type) are packed as they are."""
+    kinds = {p.kind if isinstance(p, RawQuant) else None for p in parts}
+    (kind,) = kinds if len(kinds) == 1 else (None,)
+    if kind is not None and quantization in (AS_SHIPPED, kind):
+        return pack(concat(parts))  # type: ignore[arg-type]
+    floats = torch.cat([torch.from_numpy(p.floats()) if isinstance(p, RawQuant) else p for p in parts])
+    if quantization in KINDS and floats.dim() == 2:  # matrices only: norms stay float
+        return pack(quantize(floats.float().numpy(), quantization))  # type: ignore[arg-type]
+    return floats
+
+
+def _assign(module: nn.Module, name: str, weight: torch.Tensor) -> None:
+    """Copy a float weight into its parameter (cast to its dtype); a packed one replaces the parameter."""
+    if is_packed(weight):
+        setattr(module, name, nn.Parameter(weight, requires_grad=False))
+    else:
+        getattr(module, name).copy_(weight)

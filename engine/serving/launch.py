@@ -79,6 +79,7 @@ def _load_engine(ecfg: EngineConfig) -> LLMEngine:
     backend = engine.backend
     if ecfg.backend == "torch":
         logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
+        logger.info("quantization: %s", backend.quant_reason)
         logger.info("attention %s, block size %d (%s)", backend.attention, backend.block_size, backend.kernel_reason)
         logger.info("KV pool: %s", backend.kv_layout)
     logger.info(

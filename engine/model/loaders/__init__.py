@@ -12,6 +12,7 @@ from engine.model.llama import LlamaModel
 from engine.model.loaders.cache import ModelCache
 from engine.model.loaders.hf import read_hf
 from engine.model.model_config import ModelConfig
+from engine.model.quant import RawQuant
 from engine.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "default"
@@ -50,13 +51,16 @@ def resolve(model: str) -> Path:
     return path
 
 
-def read_source(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """The config, HF-named weights and tokenizer of a resolved GGUF file or HF directory."""
+def read_source(
+    path: Path, keep_quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | RawQuant], Tokenizer]:
+    """The config, HF-named weights and tokenizer of a resolved GGUF file or HF directory; `keep_quantized`:
+    a GGUF's quantized matrices as their blocks (engine/model/quant.py)."""
     if path.is_dir():
-        return read_hf(path)
+        return read_hf(path)  # type: ignore[return-value]
     from engine.model.loaders.gguf import read_gguf  # gguf's reader: imported on a cache miss only
 
-    return read_gguf(path)
+    return read_gguf(path, keep_quantized)
 
 
 def load(
@@ -64,9 +68,11 @@ def load(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     cache: ModelCache | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """The model `model` names, ready to run. With a `cache`, from its entry when it has one, else converted
-    from the source and then stored there for the next load (engine/model/loaders/cache.py)."""
+    from the source and then stored there for the next load (engine/model/loaders/cache.py). `quantization`:
+    engine/model/quant.py `QuantChoice.mode` (None: float weights)."""
     path = resolve(model)
     name = path.name if path.is_dir() else path.stem
 
@@ -75,11 +81,11 @@ def load(
         llama.load_prepared_weights(prepared)
         return llama
 
-    if cache is not None and (hit := cache.read(path, dtype, build)) is not None:
+    if cache is not None and (hit := cache.read(path, dtype, build, quantization)) is not None:
         return LoadedModel(*hit, name)
-    config, weights, tokenizer = read_source(path)
+    config, weights, tokenizer = read_source(path, keep_quantized=quantization is not None)
     llama = LlamaModel(config, dtype=dtype, device=device)
-    llama.load_hf_weights(weights)
+    llama.load_hf_weights(weights, quantization)
     if cache is not None:
-        cache.write(path, dtype, config, llama.prepared_weights(), tokenizer)
+        cache.write(path, dtype, config, llama.prepared_weights(), tokenizer, quantization)
     return LoadedModel(llama, config, tokenizer, name)

@@ -59,17 +59,23 @@ class ModelCache:
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or default_cache_dir()
 
-    def entry(self, source: Path, dtype: torch.dtype) -> Path:
+    def entry(self, source: Path, dtype: torch.dtype, quantization: str | None = None) -> Path:
         key = {"format": FORMAT_VERSION, "dtype": str(dtype), "source": source_stamp(source)}
+        if quantization is not None:  # engine/model/quant.py; float entries keep the key they had
+            key["quantization"] = quantization
         return self.root / "models" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
 
     def read(
-        self, source: Path, dtype: torch.dtype, build: Callable[[ModelConfig, dict[str, torch.Tensor]], M]
+        self,
+        source: Path,
+        dtype: torch.dtype,
+        build: Callable[[ModelConfig, dict[str, torch.Tensor]], M],
+        quantization: str | None = None,
     ) -> tuple[M, ModelConfig, Tokenizer] | None:
-        """The cached model of `source` in `dtype`, made by `build(config, prepared weights)` (which raises
-        ValueError when the weights do not fit the config), or None on a miss. An entry that cannot be read
-        or built from is removed, and is a miss."""
-        entry = self.entry(source, dtype)
+        """The cached model of `source` in `dtype` and `quantization`, made by `build(config, prepared
+        weights)` (which raises ValueError when the weights do not fit the config), or None on a miss. An entry
+        that cannot be read or built from is removed, and is a miss."""
+        entry = self.entry(source, dtype, quantization)
         if not entry.is_dir():
             return None
         try:
@@ -90,9 +96,11 @@ class ModelCache:
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
         tokenizer: Tokenizer,
+        quantization: str | None = None,
     ) -> None:
-        """Store `weights` (LlamaModel.prepared_weights) and `tokenizer` as the entry for `source` in `dtype`."""
-        entry = self.entry(source, dtype)
+        """Store `weights` (LlamaModel.prepared_weights) and `tokenizer` as the entry for `source` in `dtype`
+        and `quantization`."""
+        entry = self.entry(source, dtype, quantization)
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))

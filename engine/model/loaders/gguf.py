@@ -1,5 +1,6 @@
-"""GGUF (llama.cpp) files: config from `llama.*` metadata, weights dequantized to HF names and layout,
-and the tokenizer rebuilt from `tokenizer.ggml.*`."""
+"""GGUF (llama.cpp) files: config from `llama.*` metadata, weights to HF names and layout (dequantized, or
+their Q8_0/Q4_0/Q4_1 blocks kept as they ship: engine/model/quant.py), and the tokenizer rebuilt from
+`tokenizer.ggml.*`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.model.model_config import ModelConfig
+from engine.model.quant import KINDS, RawQuant
 from engine.model.tokenizer import Tokenizer, special_tokens_processor
 
 SUPPORTED_TYPES = {
@@ -105,24 +107,28 @@ class GGUFFile:
             tie_word_embeddings="output.weight" not in names,
         )
 
-    def weights(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """HF-named float32 tensors. llama.cpp's converter permutes q/k rows so that each head's rotary
-        pairs are adjacent (GPT-J style); `_unpermute` restores HF's rotate_half order."""
-        out = {}
+    def weights(self, cfg: ModelConfig, keep_quantized: bool = False) -> dict[str, torch.Tensor | RawQuant]:
+        """HF-named float32 tensors; with `keep_quantized`, the Q8_0/Q4_0/Q4_1 matrices as RawQuant (their
+        blocks, rows permuted as below, nothing dequantized). llama.cpp's converter permutes q/k rows so that
+        each head's rotary pairs are adjacent (GPT-J style); `_unpermute` restores HF's rotate_half order."""
+        out: dict[str, torch.Tensor | RawQuant] = {}
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight":
                 continue
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ValueError(f"{self.path.name}: tensor {t.name} has unsupported type {t.tensor_type.name}")
             shape = [int(n) for n in reversed(t.shape)]
-            # F32 tensors come back as read-only views of the mapped file: copy those only
-            array = np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"]).reshape(shape)
+            kind = t.tensor_type.name.lower()
+            if keep_quantized and kind in KINDS and len(shape) == 2:
+                array = np.asarray(t.data).reshape(shape[0], -1)  # [rows, row bytes], still the mapped file
+            else:  # F32 tensors come back as read-only views of the mapped file: copy those only
+                array = np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"]).reshape(shape)
             name = _hf_name(t.name)
             if name.endswith("q_proj.weight"):
                 array = _unpermute(array, cfg.num_heads)
             elif name.endswith("k_proj.weight"):
                 array = _unpermute(array, cfg.num_kv_heads)
-            out[name] = torch.from_numpy(array)
+            out[name] = RawQuant(array, kind) if array.dtype == np.uint8 else torch.from_numpy(array)
         return out
 
     def tokenizer(self, name: str) -> Tokenizer:
@@ -180,7 +186,9 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def read_gguf(
+    path: str | Path, keep_quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | RawQuant], Tokenizer]:
     f = GGUFFile(path)
     cfg = f.config()
-    return cfg, f.weights(cfg), f.tokenizer(f.path.stem)
+    return cfg, f.weights(cfg, keep_quantized), f.tokenizer(f.path.stem)
