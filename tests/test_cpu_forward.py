@@ -34,14 +34,14 @@ def step_logits(backend: TorchBackend, fused: bool) -> list[torch.Tensor]:
     return out
 
 
-CASES = [("auto", "bfloat16"), ("auto", "float32"), ("none", "bfloat16")]
+CASES = [("auto", "bfloat16"), ("auto", "float32"), ("none", "bfloat16"), ("none", "float32")]
 
 
 @pytest.mark.parametrize(("quantization", "dtype"), CASES)
 def test_one_call_gives_the_python_loops_bits(quantization: str, dtype: str) -> None:
     require_cpu_kernels()
-    if quantization == "none" and cpu_kernels.linear_unusable_reason(torch.bfloat16) is not None:
-        pytest.skip("bf16 linears run on torch here (no AVX512-BF16): the layers stay in Python")
+    if quantization == "none" and (why := cpu_kernels.linear_unusable_reason(getattr(torch, dtype))) is not None:
+        pytest.skip(f"the float linears run on torch here ({why}): the layers stay in Python")
     backend = TorchBackend("default", dtype=dtype, device="cpu", num_blocks=8, quantization=quantization)
     assert backend.model.fused is not None, backend.kernel_reason
     assert "decoder layers: one C++ call a step" in backend.kernel_reason
@@ -49,6 +49,6 @@ def test_one_call_gives_the_python_loops_bits(quantization: str, dtype: str) -> 
         assert torch.equal(fused, loop)
 
 
-def test_linears_on_torch_keep_the_python_loop() -> None:
-    backend = TorchBackend("default", dtype="float32", device="cpu", num_blocks=8, quantization="none")
-    assert backend.model.fused is None  # fp32 linears run on MKL
+def test_ops_on_torch_keep_the_python_loop() -> None:
+    backend = TorchBackend("default", dtype="float32", device="cpu", num_blocks=8, attention="sdpa")
+    assert backend.model.fused is None and "decoder layers" not in backend.kernel_reason

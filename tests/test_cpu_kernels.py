@@ -207,6 +207,21 @@ def test_the_linear_kernel_matches_an_fp32_reference(linear_kernel, rows: int, k
     assert torch.equal(cpu_kernels.cpu_linear(strided, packed), cpu_kernels.cpu_linear(strided.contiguous(), packed))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 37])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (33, 80), (1536, 16)])
+def test_the_fp32_linear_kernel_matches_a_float64_reference(rows: int, k: int, n: int) -> None:
+    if (why := cpu_kernels.linear_unusable_reason(torch.float32)) is not None:
+        pytest.skip(f"the fp32 linear kernel does not run here: {why}")
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    packed = cpu_kernels.pack_linear(w)
+    assert packed is not None and packed.blocks.dtype == torch.float32
+    ours = cpu_kernels.cpu_linear(x, packed)
+    torch.testing.assert_close(ours.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+    shapes = [(576, 960), (1536, 576), (576, 49152)]
+    assert linear_row_mismatch(shapes, torch.float32, min_rows=1, cpu_kernel=True) is None  # alone = batched
+
+
 def test_the_linear_kernel_is_batch_invariant_on_the_models_shapes(linear_kernel) -> None:
     """Every probed row bitwise the same alone and in batches of 1-32, 47, 64, 129 and 256 rows, unpadded:
     the property the kernel's fixed summation order gives (the probe itself is tested to catch kernels that
@@ -220,7 +235,7 @@ def test_linears_the_kernel_cannot_take_stay_on_torch() -> None:
     assert cpu_kernels.pack_linear(torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # 40 outputs: not 16s
     assert cpu_kernels.pack_linear(torch.zeros(48, 63, dtype=torch.bfloat16)) is None  # an odd input size
     assert not isinstance(linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16), cpu_kernel=True), PackedLinear)
-    assert "float32" in cpu_kernels.linear_unusable_reason(torch.float32)
+    assert "float16" in cpu_kernels.linear_unusable_reason(torch.float16)
 
 
 def test_the_default_model_runs_its_bf16_linears_on_the_kernel(linear_kernel) -> None:

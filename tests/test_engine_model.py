@@ -5,11 +5,10 @@ Comparing greedy tokens bitwise is only sound where every kernel computes a toke
 whatever else is in the batch: otherwise a near-tie flips (on bf16 oneDNN without padding, "Write a haiku
 about the sea." starts with token 2 batched and 198 alone). Attention and the elementwise ops are
 batch-invariant by construction on every CPU path (engine/model/cpu_kernels.py, engine/model/attention.py), and so are
-bf16 linears on Headroom's kernel (AVX512-BF16, which AMX CPUs have too); other linears are probed on this CPU
-(engine/model/batch_invariance.py), and
-the comparison runs in the first dtype whose linears pass: the default (`auto`), else bf16 (on CPUs
-without bf16 instructions `auto` is fp32, whose MKL kernels round rows by batch size, while torch's own
-bf16 kernel keeps rows apart). Where neither passes the tests skip and say what the probe found.
+the linears on Headroom's kernels (bf16 on AVX512-BF16, fp32 on AVX2, quantized everywhere); other linears are
+probed on this CPU (engine/model/batch_invariance.py), and the comparison runs in the first dtype whose linears
+pass: the default (`auto`), else bf16 (fp32 on MKL rounds rows by batch size, while torch's own bf16 kernel
+keeps rows apart). Where neither passes the tests skip and say what the probe found.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ with it?
 
 Greedy outputs are bitwise the same alone and batched only if every op computes a token's row the same
 way whatever the batch holds. Attention and the elementwise ops are written for that (engine/model/cpu_kernels.py
-and, in plain torch, engine/model/attention.py); on a CPU with AVX512-BF16 (AMX CPUs have it too) so do the
-bf16 linears (`linear_weight`: engine/model/csrc/linear.cpp sums each output in one fixed order). Elsewhere the
-linears run on vendor kernels that promise nothing of the kind. What they do is in
+and, in plain torch, engine/model/attention.py); so do the linears on Headroom's kernels (`linear_weight`): bf16
+on a CPU with AVX512-BF16 (AMX CPUs have it too, engine/model/csrc/linear.cpp), fp32 on one with AVX2
+(linear_f32.cpp), and quantized weights on every CPU (qlinear.cpp), each summing an output in one fixed order.
+Elsewhere the linears run on vendor kernels that promise nothing of the kind. What they do is in
 bench/results/batch_invariance.md, and the choices here follow from it:
 - bf16 (oneDNN): a row computed alone takes a single-row kernel that can round it differently from the same
   row in a batch. Padding every input to `BF16_MIN_ROWS` rows keeps that kernel out of the way, for little
@@ -13,8 +14,9 @@ bench/results/batch_invariance.md, and the choices here follow from it:
   where it matters (tests/test_engine_model.py).
 - bf16 without oneDNN's bf16 kernels (ONEDNN_MAX_CPU_ISA=AVX2, as on AVX2-only CPUs): torch's own kernel
   keeps rows apart, padded or not.
-- fp32 (MKL sgemm): the kernel changes with the row count at several sizes up to 16 rows, and padding to 16
-  would make a batch-1 linear several times slower, so fp32 is left unpadded and is not batch-invariant.
+- fp32 on MKL's sgemm (where Headroom's fp32 kernel does not run: no AVX2, or the C++ kernels off): the kernel
+  changes with the row count at several sizes up to 16 rows, and padding to 16 would make a batch-1 linear
+  several times slower, so it is left unpadded and is not batch-invariant.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ already runs on Headroom's CPU kernels: the same kernels in the same order, so t
 Python between them (nine calls a layer; at one decode stream about a quarter of the step).
 
 It runs where the backend put the model on the C++ kernels (`CpuKernelOps`) and every linear is packed for
-one of its linear kernels (bf16 `PackedLinear` or quantized bytes); elsewhere `fused_layers` is None and
+one of its linear kernels (a bf16 or fp32 `PackedLinear`, or quantized bytes); elsewhere `fused_layers` is None and
 LlamaModel runs its Python loop. The scratch is allocated here, as torch tensors, so the CPU probe
 (telemetry/probes/cpu.py) sees the step's memory as it sees the Python loop's.
 """
@@ -41,7 +41,7 @@ class Step(ctypes.Structure):
 
 
 def linear_kind(weight: object) -> int | None:
-    """forward.cpp's code for a packed linear: 0 the bf16 kernel, 4 or 8 the quantized one's bits; None for a
+    """forward.cpp's code for a packed linear: 0 a float kernel, 4 or 8 the quantized one's bits; None for a
     weight that runs on torch (the layers then stay in Python)."""
     if isinstance(weight, PackedLinear):
         return 0
@@ -104,6 +104,4 @@ def fused_layers(model: LlamaModel) -> FusedLayers | None:
     kinds = [[linear_kind(w) for w in layer.packed or (None,)] for layer in model.layers]
     if any(k is None for row in kinds for k in row):
         return None
-    if model.dtype != torch.bfloat16 and any(k == 0 for row in kinds for k in row):
-        return None  # the bf16 kernel takes bf16 activations only
     return FusedLayers(model, kinds)  # type: ignore[arg-type]

@@ -1,5 +1,6 @@
 """Headroom's CPU kernels (engine/model/csrc/): paged attention, RMSNorm with its residual add, RoPE, SiLU-mul, the
-sampler's plain inverse-CDF draw, and the bf16 linears on AVX512-BF16.
+sampler's plain inverse-CDF draw, the bf16 linears on AVX512-BF16, the fp32 ones on AVX2, and the quantized
+ones (engine/model/quant.py).
 
 Why compile at run time: the kernels are built with `-march=native`, so they use the vector units of the CPU
 they run on (AVX-512, AVX2, NEON) and the wheel ships no binary per CPU. The sources are plain C++ with no
@@ -40,7 +41,10 @@ if TYPE_CHECKING:
 
 CSRC = Path(__file__).with_name("csrc")
 # in CSRC
-SOURCES = ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp", "qlinear.cpp", "forward.cpp")
+SOURCES = (
+    "paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "linear.cpp", "linear_f32.cpp", "qlinear.cpp",
+    "forward.cpp",
+)  # fmt: skip
 HEADERS = ("vec.h",)
 # -Wno-psabi: without AVX-512, GCC notes that 16-float vectors would be passed differently; none crosses the
 # library's boundary
@@ -61,13 +65,15 @@ SIGNATURES = {
     "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
     "headroom_linear_bf16": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
     "headroom_linear_available": [],
+    "headroom_linear_f32": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
+    "headroom_linear_f32_available": [],
     "headroom_qlinear": [_i32, _p, _i64, _p, _i32, _i32, _p, _i64, _i64, _i64, _i32, _i32],
     "headroom_qrows": [_p, _i32, _i64, _p, _i64, _i32, _p],
     "headroom_qlinear_isa": [],
     "headroom_decoder_layers": [_p],
 }  # fmt: skip
 # the functions that return something
-RESULTS = {"headroom_linear_available": ctypes.c_int, "headroom_qlinear_isa": ctypes.c_int}
+RESULTS = {name: ctypes.c_int for name in SIGNATURES if name.endswith(("_available", "_isa"))}
 LINEAR_BLOCK = 16  # outputs per packed block of the linear kernel (engine/model/csrc/linear.cpp)
 ERROR_LINES = 4  # the compiler's first error lines a failed build reports: the first error is the cause
 
@@ -239,7 +245,8 @@ def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A bf16 weight [N, K] in the linear kernel's layout, [N/16][K/2][16][2] (engine/model/csrc/linear.cpp)."""
+    """A weight [N, K] in its linear kernel's layout: bf16 [N/16][K/2][16][2] (engine/model/csrc/linear.cpp),
+    fp32 [N/16][K][16] (linear_f32.cpp)."""
 
     blocks: torch.Tensor
     out_features: int
@@ -247,38 +254,46 @@ class PackedLinear:
 
 
 def linear_unusable_reason(dtype: torch.dtype) -> str | None:
-    """None when the model's linears run on the bf16 kernel here (the other kernels built, bf16, AVX512-BF16);
-    else why they stay on torch.
+    """None when the model's linears run on Headroom's kernel for `dtype` here (bf16: AVX512-BF16; fp32: AVX2
+    with FMA); else why they stay on torch.
 
     CPUs with AMX-BF16 have AVX512-BF16 too, and take the kernel as well. oneDNN's AMX tiles may run a long
-    prefill faster there, but their summation order is theirs: with the kernel, a bf16 model's arithmetic on
-    the CPU is Headroom's own, and batch-invariant by construction, on every CPU that runs bf16 by default."""
-    if dtype != torch.bfloat16:
-        return f"the linear kernel runs bf16, dtype is {str(dtype).removeprefix('torch.')}"
+    prefill faster there, but their summation order is theirs: with the kernels, a float model's arithmetic on
+    the CPU is Headroom's own, and batch-invariant by construction, on AVX512-BF16 CPUs in bf16 and on AVX2
+    CPUs in fp32 (each one's `--dtype auto`), where MKL's sgemm rounds a row differently by the batch's size."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"the linear kernels run bf16 and fp32, dtype is {str(dtype).removeprefix('torch.')}"
     library = load_library().library
     if library is None:
         return load_library().reason
-    if not library.headroom_linear_available():
+    if dtype == torch.bfloat16 and not library.headroom_linear_available():
         return "this CPU lacks AVX512-BF16 (the build targets the CPU it runs on)"
+    if dtype == torch.float32 and not library.headroom_linear_f32_available():
+        return "this CPU lacks AVX2 with FMA (the build targets the CPU it runs on)"
     return None
 
 
 def pack_linear(weight: torch.Tensor) -> PackedLinear | None:
-    """`weight` [N, K] in the kernel's layout, or None where its shape does not fit (N not a multiple of 16
-    or K odd): that linear stays on torch."""
+    """`weight` [N, K] (bf16 or fp32) in its kernel's layout, or None where its shape does not fit (N not a
+    multiple of 16, or in bf16 K odd): that linear stays on torch."""
     n, k = weight.shape
-    if n % LINEAR_BLOCK or k % 2:
+    if n % LINEAR_BLOCK or (weight.dtype == torch.bfloat16 and k % 2):
         return None
-    blocks = weight.detach().view(n // LINEAR_BLOCK, LINEAR_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    if weight.dtype == torch.bfloat16:
+        blocks = weight.detach().view(n // LINEAR_BLOCK, LINEAR_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    else:
+        blocks = weight.detach().view(n // LINEAR_BLOCK, LINEAR_BLOCK, k).transpose(1, 2).contiguous()
     return PackedLinear(blocks, n, k)
 
 
 def cpu_linear(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
-    """x [T, K] @ weight^T in bf16, each output summed in one fixed order (batch-invariant)."""
+    """x [T, K] @ weight^T in the weight's dtype, each output summed in one fixed order (batch-invariant)."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
-    _lib().headroom_linear_bf16(
+    dtype = weight.blocks.dtype
+    out = torch.empty((x.shape[0], weight.out_features), dtype=dtype)
+    kernel = _lib().headroom_linear_bf16 if dtype == torch.bfloat16 else _lib().headroom_linear_f32
+    kernel(
         x.data_ptr(), x.stride(0), weight.blocks.data_ptr(), out.data_ptr(), x.shape[0], weight.out_features,
         weight.in_features, torch.get_num_threads(),
     )  # fmt: skip

@@ -21,6 +21,8 @@ void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void
                               int block_size, float scale, void* out, int threads);
 void headroom_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y, int64_t m, int64_t n,
                           int64_t k, int threads);
+void headroom_linear_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t m, int64_t n, int64_t k,
+                         int threads);
 void headroom_qlinear(int x_bf16, const void* x, int64_t ldx, const uint8_t* w, int bits, int y_bf16, void* y,
                       int64_t m, int64_t n, int64_t k, int plain, int threads);
 }
@@ -40,16 +42,19 @@ struct Step {
     const int32_t* token_seq;
     const int32_t* token_ctx;
     const int64_t* weights;  // [layers][8]: attn_norm, mlp_norm, qkv, o, gate_up, down, k cache, v cache
-    const int32_t* kinds;    // [layers][4]: 0 the bf16 kernel's packing, 4 or 8 the quantized kernel's bits
+    const int32_t* kinds;    // [layers][4]: 0 the float kernel's packing (bf16 or fp32), 4 or 8 quantized bits
     void *x, *delta, *h, *qkv, *attn, *proj, *gate_up, *act;  // [tokens][width] each
 };
 
 const void* ptr(int64_t address) { return reinterpret_cast<const void*>(address); }
 
 void linear(const Step& s, const void* x, int64_t k, int64_t address, int kind, void* y, int64_t n) {
-    if (kind == 0)
+    if (kind == 0 && s.bf16)
         headroom_linear_bf16(static_cast<const uint16_t*>(x), k, static_cast<const uint16_t*>(ptr(address)),
                              static_cast<uint16_t*>(y), s.tokens, n, k, s.threads);
+    else if (kind == 0)
+        headroom_linear_f32(static_cast<const float*>(x), k, static_cast<const float*>(ptr(address)),
+                            static_cast<float*>(y), s.tokens, n, k, s.threads);
     else
         headroom_qlinear(s.bf16, x, k, static_cast<const uint8_t*>(ptr(address)), kind, s.bf16, y, s.tokens, n, k, 0,
                          s.threads);

