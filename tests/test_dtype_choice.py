@@ -57,6 +57,7 @@ def test_cpu_facts_are_read_from_cpuinfo(tmp_path: Path, monkeypatch):
     processor = "processor\t: {}\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu avx2 avx512_bf16\n\n"
     cpuinfo.write_text(processor.format(0) + processor.format(1))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("HEADROOM_CPU_ISA", raising=False)  # scripts/test_avx2.sh sets it
     facts = read_cpu_facts(cpuinfo)
     assert facts.model == "AMD EPYC 9B14"
     assert facts.flags == {"fpu", "avx2", "avx512_bf16"}
@@ -67,3 +68,16 @@ def test_without_cpuinfo_auto_takes_fp32(tmp_path: Path):
     facts = read_cpu_facts(tmp_path / "missing")
     assert facts.flags == frozenset()
     assert choose_dtype("auto", CPU, facts).dtype == torch.float32
+
+
+def test_the_avx2_cap_hides_avx512_and_amx(tmp_path: Path, monkeypatch):
+    """HEADROOM_CPU_ISA=avx2: every choice made as on an AVX2-only CPU (scripts/test_avx2.sh)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: X\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 avx512_vnni amx_bf16\n")
+    monkeypatch.setenv("HEADROOM_CPU_ISA", "avx2")
+    facts = read_cpu_facts(cpuinfo)
+    assert facts.flags == {"fpu", "avx2", "fma"}
+    assert choose_dtype("auto", CPU, facts).dtype == torch.float32
+    monkeypatch.setenv("HEADROOM_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="HEADROOM_CPU_ISA='avx512': use one of native, avx2"):
+        read_cpu_facts(cpuinfo)

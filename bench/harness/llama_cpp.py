@@ -10,6 +10,7 @@ without AVX-512 (ggml's own switches), so that a run as on an AVX2-only CPU hold
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -45,7 +46,8 @@ def llama_server(work: Path, isa: str = "native") -> Path:
     build = binary.parent.parent
     run = {"check": True, "capture_output": True, "text": True, "timeout": BUILD_TIMEOUT_S}
     subprocess.run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, *ISA_FLAGS[isa]], **run)  # type: ignore[call-overload]
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j"], **run)  # type: ignore[call-overload]
+    jobs = str(os.cpu_count() or 1)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], **run)  # type: ignore[call-overload]
     return binary
 
 
