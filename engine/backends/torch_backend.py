@@ -170,12 +170,13 @@ class TorchBackend:
             if self.attention != "cpu":
                 why = "--attention sdpa" if asked == "sdpa" else self.kernel_reason
                 logger.warning("CPU kernels off, the model runs in plain torch (slower): %s", why)
-            elif linear_blocker is not None and self.dtype in (torch.bfloat16, torch.float32):
+            elif linear_blocker is not None and not self.model.all_quantized:
                 logger.warning("linears on torch, not the C++ kernel: %s", linear_blocker)
             name = str(self.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
             linears = f"the {name} kernel" if linear_blocker is None else f"torch ({linear_blocker})"
             if self.model.quantized:
-                linears = f"the quantized kernel, {cpu_kernels.qlinear_isa()} (float ones: {linears})"
+                rest = "" if self.model.all_quantized else f" (float ones: {linears})"
+                linears = f"the quantized kernel, {cpu_kernels.qlinear_isa()}{rest}"
             self.kernel_reason += f"; linears: {linears}"
         self.model.pack_linears(cpu_kernel=linear_blocker is None)
         self.model.fused = fused_layers(self.model)

@@ -19,7 +19,7 @@ from engine.model.attention_metadata import AttentionMetadata, KVCache
 from engine.model.batch_invariance import linear_weight, padded_linear
 from engine.model.cpu_kernels import cpu_qembedding
 from engine.model.model_config import ModelConfig
-from engine.model.quant import AS_SHIPPED, KINDS, RawQuant, concat, is_packed, pack, packed_shape, quantize
+from engine.model.quant import AS_SHIPPED, KINDS, RawQuant, concat, is_packed, pack, packable, packed_shape, quantize
 
 if TYPE_CHECKING:
     from engine.model.cpu_kernels import CpuKernelOps, PackedLinear
@@ -177,7 +177,12 @@ class LlamaModel(nn.Module):
 
     @property
     def quantized(self) -> bool:
+        """Some matrix runs on the quantized kernel (`all_quantized`: every one, embedding included)."""
         return is_packed(self.embed) or any(is_packed(w) for w in self._linears())
+
+    @property
+    def all_quantized(self) -> bool:
+        return is_packed(self.embed) and all(is_packed(w) for w in self._linears())
 
     def _linears(self) -> list[torch.Tensor]:
         return [self.lm_head, *(w for x in self.layers for w in (x.wqkv, x.wo, x.w_gate_up, x.w_down))]
@@ -290,13 +295,15 @@ class LlamaModel(nn.Module):
 def _fused(parts: list[torch.Tensor | RawQuant], quantization: str | None) -> torch.Tensor:
     """One weight from its checkpoint parts (q/k/v, gate/up, or a single one): packed quantized bytes where
     `quantization` asks for them (engine/model/quant.py), else the floats, dequantized where they ship quantized.
-    Parts that ship quantized in the asked type (or, AS_SHIPPED, in one type) are packed as they are."""
+    Parts that ship quantized in the asked type (or, AS_SHIPPED, in one type) are packed as they are. A matrix whose
+    outputs are not whole blocks of 16 stays float (a vocabulary of 32,001, say)."""
     kinds = {p.kind if isinstance(p, RawQuant) else None for p in parts}
     (kind,) = kinds if len(kinds) == 1 else (None,)
-    if kind is not None and quantization in (AS_SHIPPED, kind):
+    rows = sum(p.data.shape[0] if isinstance(p, RawQuant) else p.shape[0] for p in parts)
+    if kind is not None and quantization in (AS_SHIPPED, kind) and packable(rows):
         return pack(concat(parts))  # type: ignore[arg-type]
     floats = torch.cat([torch.from_numpy(p.floats()) if isinstance(p, RawQuant) else p for p in parts])
-    if quantization in KINDS and floats.dim() == 2:  # matrices only: norms stay float
+    if quantization in KINDS and floats.dim() == 2 and packable(rows):  # matrices only: norms stay float
         return pack(quantize(floats.float().numpy(), quantization))  # type: ignore[arg-type]
     return floats
 

@@ -82,7 +82,7 @@ def pack(raw: RawQuant) -> torch.Tensor:
     """`raw` in the kernel's layout (qlinear.cpp): [N/16, K/32, record] uint8. Raises ValueError where the shape
     does not fit (N a multiple of 16)."""
     n = raw.data.shape[0]
-    if n % OUT_BLOCK:
+    if not packable(n):
         raise ValueError(f"a quantized linear needs a multiple of {OUT_BLOCK} outputs, this one has {n}")
     block_bytes, _ = KINDS[raw.kind]
     b = raw.data.reshape(n // OUT_BLOCK, OUT_BLOCK, -1, block_bytes)  # [ob, lane, kb, bytes]
@@ -102,6 +102,10 @@ def pack(raw: RawQuant) -> torch.Tensor:
         fields = [lanes(d), lanes(m), chunks(b[..., -16:], 4)]
     out = np.concatenate(fields, -1)
     return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def packable(rows: int) -> bool:
+    return rows % OUT_BLOCK == 0
 
 
 def is_packed(w: torch.Tensor) -> bool:
