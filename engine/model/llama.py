@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
         else:
             x, delta = F.embedding(input_ids, self.embed), None
         rope = self.ops.rope_state(self.rope_cos, self.rope_sin, positions)
-        if self.fused is not None:
+        if self.fused is not None and meta.backend == "cpu":  # the C++ paged kernel's metadata (not a graph's)
             x, delta = self.fused(x, rope, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
