@@ -172,7 +172,7 @@ class TorchBackend:
                 logger.warning("CPU kernels off, the model runs in plain torch (slower): %s", why)
             elif linear_blocker is not None and not self.model.all_quantized:
                 logger.warning("linears on torch, not the C++ kernel: %s", linear_blocker)
-            name = str(self.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+            name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(self.dtype)
             linears = f"the {name} kernel" if linear_blocker is None else f"torch ({linear_blocker})"
             if self.model.quantized:
                 rest = "" if self.model.all_quantized else f" (float ones: {linears})"

@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import quant
 from engine.model.attention import paged_attention
 from engine.model.attention_metadata import AttentionMetadata, KVCache
 from engine.model.batch_invariance import linear_weight, padded_linear
 from engine.model.cpu_kernels import cpu_qembedding
 from engine.model.model_config import ModelConfig
-from engine.model.quant import AS_SHIPPED, KINDS, RawQuant, concat, is_packed, pack, packable, packed_shape, quantize
+from engine.model.quant import RawQuant, is_packed, packed_shape
 
 if TYPE_CHECKING:
     from engine.model.cpu_kernels import CpuKernelOps, PackedLinear
@@ -238,7 +239,6 @@ class LlamaModel(nn.Module):
             except KeyError as e:
                 raise KeyError(f"checkpoint is missing {e.args[0]}") from None
 
-        p = "self_attn.", "mlp."
         with torch.no_grad():
             _assign(self, "embed", take("model.embed_tokens.weight"))
             _assign(self, "norm", take("model.norm.weight"))
@@ -247,12 +247,13 @@ class LlamaModel(nn.Module):
             weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
             for i, layer in enumerate(self.layers):
                 n = f"model.layers.{i}."
+                attn, mlp = n + "self_attn.", n + "mlp."
                 _assign(layer, "attn_norm", take(n + "input_layernorm.weight"))
                 _assign(layer, "mlp_norm", take(n + "post_attention_layernorm.weight"))
-                _assign(layer, "wqkv", take(*(f"{n}{p[0]}{x}_proj.weight" for x in "qkv")))
-                _assign(layer, "wo", take(f"{n}{p[0]}o_proj.weight"))
-                _assign(layer, "w_gate_up", take(f"{n}{p[1]}gate_proj.weight", f"{n}{p[1]}up_proj.weight"))
-                _assign(layer, "w_down", take(f"{n}{p[1]}down_proj.weight"))
+                _assign(layer, "wqkv", take(*(f"{attn}{x}_proj.weight" for x in "qkv")))
+                _assign(layer, "wo", take(attn + "o_proj.weight"))
+                _assign(layer, "w_gate_up", take(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
+                _assign(layer, "w_down", take(mlp + "down_proj.weight"))
         if self.cfg.tie_word_embeddings:
             self.lm_head = self.embed
         unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
@@ -295,16 +296,18 @@ class LlamaModel(nn.Module):
 def _fused(parts: list[torch.Tensor | RawQuant], quantization: str | None) -> torch.Tensor:
     """One weight from its checkpoint parts (q/k/v, gate/up, or a single one): packed quantized bytes where
     `quantization` asks for them (engine/model/quant.py), else the floats, dequantized where they ship quantized.
-    Parts that ship quantized in the asked type (or, AS_SHIPPED, in one type) are packed as they are. A matrix whose
-    outputs are not whole blocks of 16 stays float (a vocabulary of 32,001, say)."""
+    Parts that ship quantized in the asked type (or, AS_SHIPPED, in one type) are packed as they are. A matrix
+    whose outputs are not whole blocks of 16, or whose inputs are not whole blocks of 32, stays float (a
+    vocabulary of 32,001, say); so do the norms."""
     kinds = {p.kind if isinstance(p, RawQuant) else None for p in parts}
     (kind,) = kinds if len(kinds) == 1 else (None,)
     rows = sum(p.data.shape[0] if isinstance(p, RawQuant) else p.shape[0] for p in parts)
-    if kind is not None and quantization in (AS_SHIPPED, kind) and packable(rows):
-        return pack(concat(parts))  # type: ignore[arg-type]
+    if kind is not None and quantization in (quant.AS_SHIPPED, kind) and quant.packable(rows):
+        return quant.pack(quant.concat(parts))  # type: ignore[arg-type]
     floats = torch.cat([torch.from_numpy(p.floats()) if isinstance(p, RawQuant) else p for p in parts])
-    if quantization in KINDS and floats.dim() == 2 and packable(rows):  # matrices only: norms stay float
-        return pack(quantize(floats.float().numpy(), quantization))  # type: ignore[arg-type]
+    blocks = floats.dim() == 2 and quant.packable(rows) and floats.shape[1] % quant.QK == 0
+    if quantization in quant.KINDS and blocks:
+        return quant.pack(quant.quantize(floats.float().numpy(), quantization))  # type: ignore[arg-type]
     return floats
 
 

@@ -37,10 +37,6 @@ class RawQuant:
     data: np.ndarray
     kind: str
 
-    @property
-    def in_features(self) -> int:
-        return self.data.shape[1] // KINDS[self.kind][0] * QK
-
     def floats(self) -> np.ndarray:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
