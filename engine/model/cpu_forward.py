@@ -60,18 +60,16 @@ class FusedLayers:
             "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": hd, "inter": cfg.intermediate_size,
             "layers": cfg.num_layers,
         }  # fmt: skip
+        q_size, hidden, inter = self.dims["q_size"], cfg.hidden_size, cfg.intermediate_size
+        self.widths = {  # each scratch buffer's row, for forward.cpp's Step
+            "delta": hidden, "h": hidden, "qkv": q_size + 2 * self.dims["kv_size"], "attn": q_size, "proj": hidden,
+            "gate_up": 2 * inter, "act": inter,
+        }  # fmt: skip
         self.kinds = torch.tensor(kinds, dtype=torch.int32)
         self.weights = torch.zeros((cfg.num_layers, 8), dtype=torch.int64)
         for i, layer in enumerate(model.layers):
             linears = [w.blocks if isinstance(w, PackedLinear) else w for w in layer.packed or ()]
             self.weights[i, :6] = torch.tensor([t.data_ptr() for t in (layer.attn_norm, layer.mlp_norm, *linears)])
-
-    def widths(self) -> dict[str, int]:
-        d = self.dims
-        hidden, inter = d["hidden"], d["inter"]
-        qkv = d["q_size"] + 2 * d["kv_size"]
-        return {"delta": hidden, "h": hidden, "qkv": qkv, "attn": d["q_size"], "proj": hidden, "gate_up": 2 * inter,
-                "act": inter}  # fmt: skip
 
     def __call__(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], kv_caches: list[KVCache], meta: AttentionMetadata
@@ -81,7 +79,7 @@ class FusedLayers:
         cos, sin, positions = rope
         tokens = x.shape[0]
         self.weights[:, 6:] = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in kv_caches])
-        scratch = {name: torch.empty((tokens, width), dtype=x.dtype) for name, width in self.widths().items()}
+        scratch = {name: torch.empty((tokens, width), dtype=x.dtype) for name, width in self.widths.items()}
         token_seq, token_ctx = meta.token_plan
         tables = meta.block_tables
         step = Step(

@@ -110,6 +110,32 @@ void store_row(T* y, const float* acc, int count) {
     for (int i = 0; i < count; ++i) headroom::store(y + i, acc[i]);
 }
 
+// Weight j (0..31) of output n in a packed record, as its integer code (0..15 for 4-bit, signed for 8-bit).
+template <int BITS>
+int packed_quant(const uint8_t* record, int n, int j) {
+    const int lane = n * 4 + (j % 4);
+    if (BITS == 8) return int8_t(record[quants_offset(8) + (j / 4) * 64 + lane]);
+    const uint8_t byte = record[quants_offset(4) + ((j % 16) / 4) * 64 + lane];
+    return j < 16 ? byte & 0x0f : byte >> 4;
+}
+
+// Output n's scale and minimum (0 for 8-bit) in a packed record, as floats.
+template <int BITS>
+void packed_scales(const uint8_t* record, int n, float& d, float& m) {
+    uint16_t dh, mh = 0;
+    std::memcpy(&dh, record + 2 * n, 2);
+    if (BITS == 4) std::memcpy(&mh, record + 2 * OUT + 2 * n, 2);
+    d = half_to_float(dh);
+    m = half_to_float(mh);
+}
+
+// Four activation codes as one int32, for a broadcast to every lane (4 inputs of each output's dot).
+inline int32_t four_bytes(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
 // The plain path: a reference for the vector ones and what runs without AVX2.
 template <int BITS, typename T>
 void block_plain(const QuantRows& x, int64_t r0, int64_t rows, const uint8_t* w, T* y, int64_t ldy) {
@@ -121,22 +147,10 @@ void block_plain(const QuantRows& x, int64_t r0, int64_t rows, const uint8_t* w,
             const int8_t* xq = x.row(r) + b * QK;
             for (int n = 0; n < OUT; ++n) {
                 int32_t dot = 0;
-                for (int j = 0; j < QK; ++j) {
-                    const int lane = n * 4 + (j % 4);
-                    int q;
-                    if (BITS == 4) {
-                        const uint8_t byte = p[quants_offset(4) + ((j % 16) / 4) * 64 + lane];
-                        q = j < 16 ? byte & 0x0f : byte >> 4;
-                    } else {
-                        q = int8_t(p[quants_offset(8) + (j / 4) * 64 + lane]);
-                    }
-                    dot += q * xq[j];
-                }
-                uint16_t dw, mw = 0;
-                std::memcpy(&dw, p + 2 * n, 2);
-                if (BITS == 4) std::memcpy(&mw, p + 2 * OUT + 2 * n, 2);
-                acc[n] = fold(acc[n], dot, half_to_float(dw), half_to_float(mw), x.d[x.at(r, b)], x.ds[x.at(r, b)],
-                              BITS == 4);
+                for (int j = 0; j < QK; ++j) dot += packed_quant<BITS>(p, n, j) * xq[j];
+                float dw, mw;
+                packed_scales<BITS>(p, n, dw, mw);
+                acc[n] = fold(acc[n], dot, dw, mw, x.d[x.at(r, b)], x.ds[x.at(r, b)], BITS == 4);
             }
         }
         store_row(y + (r - r0) * ldy, acc, OUT);
@@ -146,11 +160,7 @@ void block_plain(const QuantRows& x, int64_t r0, int64_t rows, const uint8_t* w,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int ROWS = 4, COLS = 2;  // 8 fp32 + 8 int32 accumulators, 4 weight vectors: no spills
 
-inline __m512i bcast4(const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
-}
+inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
 
 // R rows times C packed blocks (16 outputs each) over all the input blocks.
 template <int BITS, int R, int C, typename T>
@@ -221,11 +231,7 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* 
 #elif defined(__AVX2__)
 constexpr int ROWS = 2, COLS = 1;  // AVX2 has 16 vector registers: 4 fp32 + 4 int sums + 4 weights
 
-inline __m256i bcast4(const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, sizeof v);
-    return _mm256_set1_epi32(v);
-}
+inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 
 // As the AVX-512 tile, each 16-output block as two 8-output halves. 4-bit: vpmaddubsw's int16 pair sums
 // (at most 2 * 15 * 127) add up over a block's 8 products to at most 30,480, so they stay in int16 until one
@@ -340,20 +346,11 @@ void dequant_row(const uint8_t* w, int64_t blocks, int64_t row, T* out) {
     const int n = int(row % OUT);
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* p = base + b * record_bytes(BITS);
-        uint16_t dh, mh = 0;
-        std::memcpy(&dh, p + 2 * n, 2);
-        if (BITS == 4) std::memcpy(&mh, p + 2 * OUT + 2 * n, 2);
-        const float d = half_to_float(dh), m = half_to_float(mh);
+        float d, m;
+        packed_scales<BITS>(p, n, d, m);
         for (int j = 0; j < QK; ++j) {
-            const int lane = n * 4 + (j % 4);
-            float v;
-            if (BITS == 4) {
-                const uint8_t byte = p[quants_offset(4) + ((j % 16) / 4) * 64 + lane];
-                v = d * float(j < 16 ? byte & 0x0f : byte >> 4) + m;
-            } else {
-                v = d * float(int8_t(p[quants_offset(8) + (j / 4) * 64 + lane]));
-            }
-            headroom::store(out + b * QK + j, v);
+            const float v = d * float(packed_quant<BITS>(p, n, j));
+            headroom::store(out + b * QK + j, BITS == 4 ? v + m : v);
         }
     }
 }
