@@ -1,9 +1,10 @@
-"""`headroom bench matrix|replay|reproduce`: benchmark an engine (the twin by default) in virtual time.
+"""`headroom bench matrix|replay|reproduce|fleet`: benchmark an engine (the twin by default) in virtual time.
 
 matrix: the seed's 30-point matrix (or --points), closed loop like `vllm bench serve --max-concurrency`.
 replay: a JSONL trace (input_toks, output_toks, arrival_time), open loop at the recorded times.
 Both print a markdown table and write {"points": [...]} (plus the command and engine settings) to --out.
 reproduce: re-run the committed results (bench/reproduce.py).
+fleet: every router over N twin replicas on seeded loads (bench/fleet/).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from bench import reproduce
+from bench.fleet import command as fleet
 from bench.harness.report import Stamp, stamp_data, stamped, write_json
 from bench.loadgen import RunResult, load_trace, run_closed_loop, run_trace
 from bench.report import latency_table, markdown_table, metrics
@@ -134,6 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark an engine in virtual time (twin) or wall time")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     reproduce.register(sub)
+    fleet.register(sub)
     m = sub.add_parser("matrix", help="closed-loop matrix, like vllm bench serve --max-concurrency")
     m.add_argument("--points", type=parse_points, default=None, help='"con,in,out;..." (default: seed matrix)')
     m.add_argument(

@@ -40,6 +40,37 @@ class Experiment:
         return self.compared or tuple(o for o in self.outputs if o.endswith((".md", ".json", ".jsonl")))
 
 
+FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers: "" for all): what one session's two cores could run
+    (4, "near", 0, 10, ""), (4, "above", 0, 10, ""), (16, "near", 0, 10, ""), (16, "above", 0, 10, ""),
+    (16, "near", 100, 10, "default,headroom_p2c,headroom"), (64, "near", 0, 10, ""), (64, "above", 0, 10, ""),
+    (256, "near", 0, 5, "default,headroom"), (256, "above", 0, 2, "default,headroom"),
+    (1000, "near", 0, 1, "default,headroom"), (1000, "above", 0, 1, "default,headroom"),
+)  # fmt: skip
+FLEET_JSONS = tuple(
+    f"fleet/{n}_{load}" + (f"_seed{first}" if first else "") + ".json" for n, load, first, *_ in FLEET_RUNS
+)
+
+
+def _fleet_runs() -> Experiment:
+    """The routers over 4 to 1,000 twin replicas (bench/fleet/), one JSON per fleet size and load."""
+    runs = tuple(
+        f"headroom bench fleet --replicas {n} --load {load} --seeds {seeds}"
+        + (f" --first-seed {first}" if first else "")
+        + (f" --routers {routers}" if routers else "")
+        + f" --jobs 2 --out {{out}}/{name}"
+        for (n, load, first, seeds, routers), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
+    )
+    return Experiment("fleet", runs, FLEET_JSONS, "twin", 7700, "slow")
+
+
+def _fleet_report() -> Experiment:
+    """The report from the committed JSONs: fast, so the default suite checks it."""
+    inputs = " ".join(f"{RESULTS}/{name}" for name in FLEET_JSONS)
+    pngs = tuple(f"fleet_{n}.png" for n in sorted({n for n, *_ in FLEET_RUNS}))
+    command = f"python -m bench.fleet.report {inputs} --out {{out}}/fleet.md"
+    return Experiment("fleet_report", (command,), ("fleet.md", *pngs), "twin", 5, "default")
+
+
 def _matrix(policy: str, blocks: int | None, seconds: float, suite: str, sensors: str = "ideal") -> Experiment:
     """A seed-matrix run; the results that predate realistic sensors (the default now) name `ideal`."""
     label = f"{policy}_{blocks or 'sized'}" + ("_realistic" if sensors == "realistic" else "")
@@ -289,6 +320,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         3600,
         needs="schemathesis",
     ),
+    _fleet_runs(),
+    _fleet_report(),
     Experiment(
         "ray_fleet",
         ("python -m bench.ray_fleet --duration 60 --long-rate 1.0 --out {out}/ray_fleet.md",),
@@ -357,6 +390,34 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         "cpu",
         1800,
         needs="aiperf in its own venv; the file is assembled by hand",
+    ),
+    # Tensor parallelism (#28): the seed matrix on two twin 4090s, its comparison with one card, and the CPU's
+    # step time at TP=2 against TP=1.
+    Experiment(
+        "matrix_adaptive_sized_realistic_tp2",
+        (
+            "headroom bench matrix --backend twin --twin-sensors realistic --policy adaptive --tensor-parallel-size 2 "
+            "--jobs 1 --out {out}/matrix/adaptive_sized_realistic_tp2.json",
+        ),  # fmt: skip
+        ("matrix/adaptive_sized_realistic_tp2.json", "matrix/adaptive_sized_realistic_tp2.md"),
+        "twin",
+        230,
+        "slow",
+    ),
+    Experiment(
+        "twin_tp",
+        ("python -m bench.twin_tp --out {out}/twin_tp.md",),
+        ("twin_tp.md",),
+        "twin",
+        1,
+        "default",
+    ),
+    Experiment(
+        "tp_cpu",
+        ("python -m bench.tp_cpu --out {out}/tp_cpu.md",),
+        ("tp_cpu.md", "tp_cpu.json"),
+        "cpu",
+        40,
     ),
 )
 

@@ -33,8 +33,9 @@ from controller.law import ControlLaw
 from controller.limits import UNLIMITED, Limits
 from controller.pool_control import PoolControl
 from controller.step_budget import NO_CUTS, MemoryCuts, StepBudget
+from controller.tightest_rank import ranks_state, step_memory
 from telemetry.controller_stats import ControllerStats
-from telemetry.record import StepRecord, StepShape
+from telemetry.record import RankSample, StepRecord, StepShape
 
 __all__ = ["DECISIONS_KEPT", "AdaptivePolicy"]
 RETAINED_FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "sampled_seqs")
@@ -76,6 +77,7 @@ class AdaptivePolicy(PoolControl):
         self._t_worst = INF
         self._last_retries: int | None = None
         self._step = 0
+        self._ranks: list[RankSample] = []  # tensor parallel: every rank's sample of the last step
         self._budget: StepBudget | None = None  # the next step's, made when first asked for
         self._limits_key: tuple | None = None
         self._limits = Limits()
@@ -175,6 +177,7 @@ class AdaptivePolicy(PoolControl):
     def observe(self, record: StepRecord, cuts: MemoryCuts = NO_CUTS) -> None:
         """After every step (OOM steps included): what the step used, and what memory cut while packing it."""
         self._step = record.step_id
+        self._ranks = record.ranks
         self.counters["steps"] += 1
         peak, usable_now, retry = self._learn(record)
         self._feedback(record, cuts, peak, usable_now, retry)
@@ -215,6 +218,7 @@ class AdaptivePolicy(PoolControl):
             "kv_reservation": self.kv.state(),
             "kv_pool": self.pool.state(),
             "counters": dict(self.counters),
+            "ranks": ranks_state(self._ranks),
             "decisions": export(self.decisions),
             "config": self.cfg.as_dict(),
         }
@@ -255,7 +259,7 @@ class AdaptivePolicy(PoolControl):
     def _learn(self, rec: StepRecord) -> tuple[float | None, float | None, bool]:
         """Feed the estimators and the budget from a sampled record; returns the step's peak and the usable
         memory it had (MiB; None when not sampled) and whether the allocator had to retry."""
-        m, shape, oom = rec.memory, rec.shape, rec.oom
+        m, shape, oom = step_memory(rec), rec.shape, rec.oom
         budget, est = self.budget, self.estimator
         retained_now = budget.observe(m)
         if retained_now is None:

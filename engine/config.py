@@ -113,6 +113,13 @@ class EngineConfig(_Config):
         "so that the next start skips converting the model",
     )  # fmt: skip
     inject_oom_rate: float = _opt(0.0, "test hook: fail this fraction of steps with an OOM")
+    inject_oom_rank: int | None = _opt(
+        None, "test hook, tensor parallel: --inject-oom-rate's OOMs strike inside this rank's forward only"
+    )
+    tensor_parallel_size: int = _opt(
+        1, "shard the model over this many ranks: torch, one process each (gloo on the CPU, NCCL on CUDA, one "
+        "GPU a rank), a size that divides the attention heads; twin, 2 (two RTX 4090s on PCIe, no NVLink)",
+    )  # fmt: skip
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (vLLM's flag)")
     realtime: bool = _opt(False, "twin: sleep each modelled step so virtual time tracks wall time")
     twin_sensors: str = _opt(
@@ -139,7 +146,8 @@ class EngineConfig(_Config):
 
     def __post_init__(self) -> None:
         self._check_choices()
-        self._check_positive("num_blocks", "block_size", "max_model_len", *self.FIXED_CAPS[:5])
+        self._check_positive("num_blocks", "block_size", "max_model_len", "tensor_parallel_size", *self.FIXED_CAPS[:5])
+        self._check_tensor_parallel()
         if not 0.0 <= self.inject_oom_rate < 1.0:
             raise ConfigError(f"inject_oom_rate must be in [0, 1); got {self.inject_oom_rate}")
         if self.kv_reserve_ratio is not None and not 0.0 <= self.kv_reserve_ratio <= 1.0:
@@ -152,6 +160,15 @@ class EngineConfig(_Config):
         caps = [name for name in self.FIXED_CAPS if getattr(self, name) is not None]
         if caps and self.policy != "fixed":
             raise ConfigError(f"{', '.join(caps)}: caps of the fixed policy, not of policy {self.policy!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        rank = self.inject_oom_rank
+        if rank is not None and not 0 <= rank < self.tensor_parallel_size:
+            raise ConfigError(f"inject_oom_rank must be a rank below tensor_parallel_size; got {rank}")
+        if self.backend == "twin" and self.tensor_parallel_size not in (1, 2):
+            raise ConfigError("tensor_parallel_size: the twin models one RTX 4090, or two (size 2)")
+        if self.backend == "twin" and rank is not None:
+            raise ConfigError("inject_oom_rank: the twin injects OOMs into whole steps (inject_oom_rate)")
 
     def fixed_caps(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.FIXED_CAPS if getattr(self, name) is not None}

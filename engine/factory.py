@@ -71,10 +71,17 @@ def controller_defaults(cfg: EngineConfig) -> dict[str, float]:
 
 def build_backend(cfg: EngineConfig) -> Backend:
     backend = _plain_backend(cfg)
-    return OOMInjector(backend, cfg.inject_oom_rate) if cfg.inject_oom_rate else backend
+    whole_step = cfg.inject_oom_rate and cfg.inject_oom_rank is None  # else the rank's forward fails (tp_executor)
+    return OOMInjector(backend, cfg.inject_oom_rate) if whole_step else backend
 
 
 def _plain_backend(cfg: EngineConfig) -> Backend:
+    if cfg.backend == "twin" and cfg.tensor_parallel_size > 1:
+        from engine.backends.twin.tensor_parallel import TwinGroup
+
+        return TwinGroup(
+            cfg.tensor_parallel_size, cfg.profile, cfg.num_blocks, cfg.block_size, cfg.max_model_len, cfg.twin_sensors
+        )
     if cfg.backend == "twin":
         from engine.backends.twin.backend import TwinBackend
 
@@ -86,21 +93,26 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
             max_model_len=cfg.max_model_len,
             sensors=cfg.twin_sensors,
         )
+    kwargs = {
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "quantization": cfg.quantization,
+        "num_blocks": cfg.num_blocks,
+        "block_size": cfg.block_size,
+        "attention": cfg.attention,
+        "device_memory": cfg.device_memory,
+        "max_model_len": cfg.max_model_len,
+        "model_cache": cfg.model_cache,
+        "enforce_eager": cfg.enforce_eager,
+    }
+    if cfg.tensor_parallel_size > 1:
+        from engine.backends.tp_executor import TensorParallelBackend
+
+        return TensorParallelBackend(cfg.tensor_parallel_size, kwargs, cfg.inject_oom_rank, cfg.inject_oom_rate)
     from engine.backends.torch_backend import TorchBackend
 
-    return TorchBackend(
-        cfg.model,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        quantization=cfg.quantization,
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        attention=cfg.attention,
-        device_memory=cfg.device_memory,
-        max_model_len=cfg.max_model_len,
-        model_cache=cfg.model_cache,
-        enforce_eager=cfg.enforce_eager,
-    )
+    return TorchBackend(**kwargs)
 
 
 def sizes_kv_pool(cfg: EngineConfig) -> bool:

@@ -21,6 +21,7 @@ from prometheus_client import (
 )
 
 from telemetry.controller_stats import ControllerStats
+from telemetry.rank_metrics import RankMetrics
 from telemetry.record import StepRecord
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the Content-Type header for exposition()
@@ -122,6 +123,7 @@ class Metrics:
         self._init_memory(family)
         self._init_controller(family)
         self._init_engine(family)
+        self.ranks = RankMetrics(self.registry, model_name)
 
     def _init_vllm(self, f: _Family, token_buckets: tuple[float, ...]) -> None:
         """vLLM's names and meanings, so existing vLLM dashboards work."""
@@ -246,6 +248,8 @@ class Metrics:
         for key, value in finite.items():
             self._limit_gauges[key].labels(name).set(value)
         self._limit_set = set(finite)
+        if record.ranks:
+            self.ranks.observe(record.ranks)
 
     def observe_probe(self, probe: object) -> None:
         """The probe's own cost, for probes that track it (CpuProbe: `overhead_seconds`,

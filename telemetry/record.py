@@ -48,6 +48,21 @@ class MemorySample:
 
 
 @dataclass
+class RankSample:
+    """One tensor-parallel rank's own view of a step: its probe's sample and the KV pool it holds (every rank
+    holds the same blocks, each of its own shard of the heads)."""
+
+    rank: int
+    memory: MemorySample
+    kv_blocks: int = 0
+    kv_block_bytes: int = 0  # this rank's bytes of one block, all layers
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_blocks * self.kv_block_bytes
+
+
+@dataclass
 class StepRecord:
     step_id: int
     time: float  # wall or virtual seconds at the step's start
@@ -67,6 +82,9 @@ class StepRecord:
     num_running: int = 0
     num_waiting: int = 0
     limits: dict = field(default_factory=dict)  # the limits in force, as plain numbers
+    # Tensor parallel: every rank's own sample, by rank; `memory` is then their tightest-rank combination
+    # (controller/tightest_rank.py). Empty on one device.
+    ranks: list[RankSample] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)

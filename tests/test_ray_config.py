@@ -34,3 +34,13 @@ def test_bad_fleet_values_name_their_field() -> None:
         ServerConfig(router="round-robin")
     with pytest.raises(SystemExit):
         parse("--router", "round-robin")
+
+
+def test_a_replica_asks_ray_for_one_gpu_a_tensor_parallel_rank() -> None:
+    from engine.config import EngineConfig
+    from engine.serving.ray_serve.launcher import replica_resources
+
+    assert replica_resources(EngineConfig(device="cuda", tensor_parallel_size=2))["num_gpus"] == 2
+    assert replica_resources(EngineConfig(device="cuda"))["num_gpus"] == 1
+    assert "num_gpus" not in replica_resources(EngineConfig(device="cpu", tensor_parallel_size=2))
+    assert "num_gpus" not in replica_resources(EngineConfig(backend="twin", tensor_parallel_size=2))

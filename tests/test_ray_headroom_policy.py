@@ -7,7 +7,14 @@ import json
 import random
 from collections import Counter
 
-from engine.serving.ray_serve.headroom_policy import LEDGER_SLACK_S, UNKNOWN_STEP_TOKENS, Headroom, Ledger, rank
+from engine.serving.ray_serve.headroom_policy import (
+    LEDGER_SLACK_S,
+    UNKNOWN_STEP_TOKENS,
+    Headroom,
+    Ledger,
+    choose_two,
+    rank,
+)
 from engine.serving.ray_serve.prompt_size import prompt_tokens
 from engine.serving.standin import StandInTokenizer
 
@@ -63,11 +70,25 @@ def test_rank_falls_back_to_healthy_replicas_when_none_can_take_it_now() -> None
         assert order[0] == "full" and order[-1] == "dead"
 
 
-def test_power_of_two_draws_among_many_able_replicas() -> None:
+def test_the_least_loaded_able_replica_goes_first_and_power_of_two_remains_as_a_draw() -> None:
     views = {f"r{i}": Headroom.of(stats(queued=10 * i)) for i in range(4)}
-    firsts = Counter(rank(views, 100, random.Random(seed))[0] for seed in range(400))
+    assert all(rank(views, 100, random.Random(seed))[:2] == ["r0", "r1"] for seed in range(50))
+    firsts = Counter(choose_two(views, 100, random.Random(seed), draw=2)[0] for seed in range(400))
     assert firsts["r3"] == 0  # the most loaded never wins a draw of two
     assert firsts["r0"] > firsts["r1"] > firsts["r2"] > 0
+
+
+def test_a_burst_within_one_stats_period_spreads_through_the_ledger() -> None:
+    """Stats published once; eight prompts routed one after another each see what the ones before them added."""
+    published = {f"r{i}": stats(queued=0) for i in range(4)}
+    clock, sent = Clock(), Counter()
+    ledger = Ledger(clock)
+    for seed in range(8):
+        views = {k: Headroom.of(v, ledger.routed_since(k, clock.t)) for k, v in published.items()}
+        first = choose_two(views, 500, random.Random(seed))[0]
+        ledger.add(first, 500)
+        sent[first] += 1
+    assert sorted(sent.values()) == [2, 2, 2, 2]
 
 
 class Clock:

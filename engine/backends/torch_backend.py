@@ -31,6 +31,7 @@ from engine.model.kv_arena import KVArena, cuda_vmm
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
 from engine.model.quant import choose_quantization
+from engine.model.tensor_parallel import RankShard, shard_model
 from telemetry.probes import make_probe
 from telemetry.probes.cpu import tensor_bytes
 from telemetry.units import parse_bytes
@@ -81,6 +82,7 @@ class TorchBackend:
         seed: int | None = None,
         model_cache: bool = True,
         enforce_eager: bool = False,
+        shard: RankShard | None = None,
     ) -> None:
         """model: a spec for engine/model/loaders (`default`, a GGUF file, an HF directory), or a model already
         loaded in this dtype on this device (engine/model/loaders/random_model.py). dtype `auto`:
@@ -93,7 +95,8 @@ class TorchBackend:
         or CPU with `device_memory`), else CPU_KV_TOKENS. `probe` None: telemetry's probe for the device.
         `seed` seeds unseeded requests' draws. Decode-only steps replay CUDA graphs (engine/model/cuda_graphs.py)
         on CUDA with the flash kernel, unless `enforce_eager`. `model_cache`: load through the warm-start
-        cache (engine/model/loaders/cache.py).
+        cache (engine/model/loaders/cache.py). `shard`: this process is one rank of a tensor-parallel group and
+        runs its shard of the model (engine/model/tensor_parallel.py), eagerly, with no swap.
 
         Batch invariance on CPU (a token's logits do not depend on what else is in the batch): attention keeps
         it on every path; bf16 linears keep it on Headroom's kernel by construction, elsewhere with their
@@ -105,26 +108,37 @@ class TorchBackend:
         kernel = choose_kernel(attention, block_size, self.device, self.dtype)
         self.block_size = kernel.block_size
         capacity = parse_bytes(device_memory) if device_memory is not None else None
-        quant = choose_quantization(quantization, self.device, cpu_kernels.unusable_reason(self.device, self.dtype))
-        self.quant_reason, cache = quant.reason, ModelCache() if model_cache else None
-        loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache, quant.mode)
-        self.model, self.config, self.model_name = loaded.model, loaded.config, loaded.name
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self._load(model, quantization, model_cache, shard)
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self._use_kernels(kernel, attention)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
         self._allocate_kv(capacity)
         # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
         # the memory the pool gave back (and count against a cgroup or --device-memory limit).
-        self.can_swap = self.device.type == "cuda"
+        self.can_swap = self.device.type == "cuda" and shard is None
         self._context_cap = min(self.config.max_position_embeddings, max_model_len or 1 << 62)
         self.probe = probe if probe is not None else self._default_probe(capacity)
         self.sampler = Sampler(seed, cpu_kernels.draw_plain) if self.attention == "cpu" else Sampler(seed)
         self._kv_host: dict[str, Any] = {}  # swapped-out requests' KV in host memory, by request id
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
-        if self.device.type == "cuda" and self.attention == "flash" and not enforce_eager:
+        if self.device.type == "cuda" and self.attention == "flash" and not enforce_eager and shard is None:
             self._capture_graphs_at_start()
+
+    def _load(self, model: str | LoadedModel, quantization: str, model_cache: bool, shard: RankShard | None) -> None:
+        """The model, the tokenizer and the quantization's reason. A tensor-parallel rank loads the float weights
+        and keeps its shard: the sharding slices float matrices, not quantized blocks."""
+        quant = choose_quantization(quantization, self.device, cpu_kernels.unusable_reason(self.device, self.dtype))
+        mode, self.quant_reason = quant.mode, quant.reason
+        if shard is not None and mode is not None:
+            mode, self.quant_reason = None, "tensor parallel: float weights, sharded (quantized blocks are not)"
+        cache = ModelCache() if model_cache else None
+        loaded = model if isinstance(model, LoadedModel) else load(model, self.dtype, self.device, cache, mode)
+        self.model, self.config, self.model_name = loaded.model, loaded.config, loaded.name
+        if shard is not None:
+            self.config = shard_model(self.model, shard.rank, shard.size, shard.reduce)
+        self.shard = shard
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
     def _allocate_kv(self, capacity: int | None) -> None:
         """The pool in CUDA virtual memory where the driver has it (engine/model/kv_arena.py: resized in place,
@@ -179,7 +193,7 @@ class TorchBackend:
                 linears = f"the quantized kernel, {cpu_kernels.qlinear_isa()}{rest}"
             self.kernel_reason += f"; linears: {linears}"
         self.model.pack_linears(cpu_kernel=linear_blocker is None)
-        self.model.fused = fused_layers(self.model)
+        self.model.fused = fused_layers(self.model) if self.shard is None else None  # one call has no all-reduce
         if self.model.fused is not None:
             self.kernel_reason += "; decoder layers: one C++ call a step"
 
@@ -346,17 +360,32 @@ class TorchBackend:
             self.sampler.drop(batch.finished)
             for rid in batch.finished:
                 self._kv_host.pop(rid, None)
+        hidden = self.forward(batch)
+        if hidden is None or not len(hidden):
+            return EMPTY
+        sampling = [it for it in batch.items if it.sample]
+        logits = self.model.compute_logits(hidden)
+        if self.device.type == "cuda":  # the sampler's .tolist() waits for the forward: time only its own work
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        result = self.sampler.sample_items(logits, sampling, self.eos_token_ids)
+        self.sampler_seconds += time.perf_counter() - start
+        return result
+
+    @torch.inference_mode()
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """The final hidden states of the sampling items' last tokens, in order (every item's KV written);
+        None for an empty batch. What a tensor-parallel rank that does not sample runs."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat-batch index of each sampling item's last new token
         for item in batch.items:
-            end = item.start + item.num_tokens
             ids += item.token_ids
-            positions += range(item.start, end)
+            positions += range(item.start, item.start + item.num_tokens)
             if item.sample:
                 rows.append(len(ids) - 1)
         if not batch.items:
-            return EMPTY
+            return None
         hidden = self._graph_decode(batch)
         if hidden is None:
             meta = build_attention_metadata(
@@ -367,13 +396,4 @@ class TorchBackend:
             )
             ids_t, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
             hidden = self.model(ids_t, positions_t, self.kv_caches, meta)[rows]
-        if not rows:
-            return EMPTY
-        sampling = [it for it in batch.items if it.sample]
-        logits = self.model.compute_logits(hidden)
-        if self.device.type == "cuda":  # the sampler's .tolist() waits for the forward: time only its own work
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        result = self.sampler.sample_items(logits, sampling, self.eos_token_ids)
-        self.sampler_seconds += time.perf_counter() - start
-        return result
+        return hidden

@@ -231,7 +231,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
-        """Run one engine step; returns an output for each request that got a token or finished in it."""
+        """Run one engine step; returns an output for each request that got a token or finished in it. A
+        backend that can never run another step (a tensor-parallel rank died, in the step or in a pool resize)
+        raises EngineDeadError, and the engine is unhealthy from then on."""
+        try:
+            return self._step()
+        except EngineDeadError:
+            self.healthy = False
+            raise
+
+    def _step(self) -> list[EngineOutput]:
         phases = self.phases
         with phases.span("schedule"):  # KV swaps included: they move blocks for the step being packed
             self._follow_pool_target()
@@ -339,4 +348,5 @@ class LLMEngine:
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             limits=self.policy.limits().as_dict(),
+            ranks=rank_samples() if (rank_samples := getattr(self.backend.probe, "rank_samples", None)) else [],
         )

@@ -87,6 +87,11 @@ class TorchOps:
         return F.silu(gate) * up
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """On one device a projection's output is already whole."""
+    return x
+
+
 def _param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -119,10 +124,12 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         ops: TorchOps | CpuKernelOps,
         min_rows: int = 1,
+        reduce: Callable[[torch.Tensor], torch.Tensor] = _whole,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; delta: the previous layer's MLP output, still to be added to it (None for
         the first layer), so the add runs inside the norm. Returns this layer's (x, delta).
-        min_rows: every linear runs over at least this many rows (LlamaModel.linear_min_rows)."""
+        min_rows: every linear runs over at least this many rows (LlamaModel.linear_min_rows). reduce: makes a
+        row-parallel projection's partial sum whole (LlamaModel.reduce)."""
         cfg, t = self.cfg, x.shape[0]
         wqkv, wo, w_gate_up, w_down = self.packed or (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         h, x = ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps, delta)
@@ -133,8 +140,9 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = paged_attention(q, k, v, kv_cache, meta)
-        h, x = ops.rms_norm(padded_linear(o.view(t, self.q_size), wo, min_rows), self.mlp_norm, cfg.rms_norm_eps, x)
-        return x, padded_linear(ops.silu_mul(padded_linear(h, w_gate_up, min_rows)), w_down, min_rows)
+        attn = reduce(padded_linear(o.view(t, self.q_size), wo, min_rows))
+        h, x = ops.rms_norm(attn, self.mlp_norm, cfg.rms_norm_eps, x)
+        return x, reduce(padded_linear(ops.silu_mul(padded_linear(h, w_gate_up, min_rows)), w_down, min_rows))
 
 
 class LlamaModel(nn.Module):
@@ -146,6 +154,9 @@ class LlamaModel(nn.Module):
     # All the layers as one C++ call (engine/model/cpu_forward.py), where the backend found every op on the C++
     # kernels; None: the Python loop below.
     fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Sums a row-parallel projection's partial output over the tensor-parallel group (the all-reduce,
+    # engine/model/tensor_parallel.py); on one device the identity.
+    reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(_whole)
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
@@ -186,7 +197,8 @@ class LlamaModel(nn.Module):
         return is_packed(self.embed) and all(is_packed(w) for w in self._linears())
 
     def _linears(self) -> list[torch.Tensor]:
-        return [self.lm_head, *(w for x in self.layers for w in (x.wqkv, x.wo, x.w_gate_up, x.w_down))]
+        head = [] if self.lm_head is None else [self.lm_head]  # None: a tensor-parallel rank that never samples
+        return [*head, *(w for x in self.layers for w in (x.wqkv, x.wo, x.w_gate_up, x.w_down))]
 
     def forward(
         self,
@@ -205,7 +217,7 @@ class LlamaModel(nn.Module):
             x, delta = self.fused(x, rope, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, delta = layer(x, delta, rope, kv_cache, meta, self.ops, self.linear_min_rows)
+                x, delta = layer(x, delta, rope, kv_cache, meta, self.ops, self.linear_min_rows, self.reduce)
         return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, delta)[0]
 
     def linear_shapes(self) -> list[tuple[int, int]]:
@@ -225,7 +237,7 @@ class LlamaModel(nn.Module):
         (engine/model/cpu_kernels.py), else oneDNN where it runs bf16, else torch's default."""
         for layer in self.layers:
             layer.pack_linears(cpu_kernel)
-        self.packed_head = linear_weight(self.lm_head.detach(), cpu_kernel)
+        self.packed_head = None if self.lm_head is None else linear_weight(self.lm_head.detach(), cpu_kernel)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor | RawQuant], quantization: str | None = None) -> None:
         """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused layout. The

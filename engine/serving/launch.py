@@ -18,6 +18,7 @@ from engine.core.kv_pool import StartupProfilingError
 from engine.core.llm_engine import LLMEngine
 from engine.core.sequence import Sequence
 from engine.factory import build_engine
+from engine.model.tensor_parallel import TensorParallelError
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext, is_loopback
@@ -156,7 +157,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> int:
     logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(levelname)s %(message)s", stream=sys.stderr)
     try:
         app = build_app(ecfg, scfg)
-    except StartupProfilingError as e:  # the device cannot run one step: a message, not a traceback
+    except (StartupProfilingError, TensorParallelError) as e:  # a message, not a traceback
         logger.error("%s", e)
         return 1
     config = uvicorn.Config(

@@ -56,6 +56,7 @@ class TwinProbe(NullProbe):
 class TwinBackend:
     tokenizer = None
     token_at = staticmethod(filler_token)
+    samples = True  # False: a tensor-parallel rank other than the driver, which computes no logits
 
     def __init__(
         self,
@@ -133,6 +134,8 @@ class TwinBackend:
             sampled += it.sample
         pre_tokens = sum(c for c, _ in prefills)
         rows = pre_tokens + n if self.logits_all else sampled
+        if not self.samples:
+            rows = sampled = 0
         return StepWork(tuple(prefills), n, ctx, rows, sampled, new_max)
 
     def execute(self, batch: SchedulerOutput) -> ModelOutput:

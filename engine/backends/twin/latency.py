@@ -74,8 +74,10 @@ class LatencyModel:
         grid = sorted(next(iter(k.dense.values())))
         self._dense_max = grid[-1]
         table = [0.0] * (self._dense_max + 1)
+        self._tensor_parallel(profile)
         for op, mult in [*((o, m * self.layers) for o, m in layer_ops.items()), *model_ops.items()]:
             ys = [k.dense[op][t] for t in grid]
+            mult *= self._shares.get(op, 1.0)
             for t in range(1, self._dense_max + 1):
                 table[t] += mult * interp(grid, ys, t) * US
         self._dense = table
@@ -110,6 +112,29 @@ class LatencyModel:
         # graph that holds its batch, so its dense layers run at that padded size.
         self._graph_sizes = sorted(int(n) for n in profile.section("engine").get("cuda_graph_sizes", ()))
         self._dec_const: LRUMemo[tuple[int, int, int], tuple] = LRUMemo(4096)
+
+    def _tensor_parallel(self, profile: Profile) -> None:
+        """One rank's share of the work under tensor parallelism (a rank profile's [tensor_parallel] `size`,
+        engine/backends/twin/tensor_parallel.py): hypotheses, documented in the profile. The sharded dense ops
+        and attention run on 1/size of the weights and heads; a GEMM with half its output (or input) features
+        moves half the weight bytes and does half the FLOPs, so it takes half the time in both regimes (the
+        launch floor, tens of microseconds beside Llama-8B's ~50 us GEMMs, is not kept). Each step adds two
+        ring all-reduces a layer of [tokens, hidden] activations over the link. One rank: nothing changes."""
+        tp = profile.data.get("tensor_parallel", {})
+        size = int(tp.get("size", 1))
+        self._shares = {op: 1.0 / size for op in tp.get("sharded_ops", ())} if size > 1 else {}
+        self._attn_share = 1.0 / size
+        self._allreduces = 2 * self.layers if size > 1 else 0
+        if self._allreduces:
+            row = int(profile.section("model")["hidden"]) * int(tp["activation_bytes"])
+            self._allreduce_s = float(tp["allreduce_latency_s"])
+            self._allreduce_row_s = 2 * (size - 1) / size * row / float(tp["allreduce_bus_bytes_per_s"])
+
+    def allreduce(self, tokens: int) -> float:
+        """The step's all-reduces over `tokens` rows: latency plus the ring's bytes at the bus bandwidth."""
+        if not self._allreduces:
+            return 0.0
+        return self._allreduces * (self._allreduce_s + tokens * self._allreduce_row_s)
 
     # -- kernels ---------------------------------------------------------------------------------
     def dense(self, tokens: int) -> float:
@@ -186,12 +211,13 @@ class LatencyModel:
                 us = self._mixed_attn(chunk, kvp, n, kvd) + rest
             else:
                 us = self._prefill_attn(chunk, kvp) + rest
-        return us * US * self.layers
+        return us * US * self.layers * self._attn_share
 
     # -- the step --------------------------------------------------------------------------------
     def kernel_time(self, work: StepWork) -> float:
         return (
             self.dense(work.tokens)
+            + self.allreduce(work.tokens)
             + self.attention(work)
             + self.rows("lm_head", work.logits_rows)
             + self.rows("sampler", work.sampled)
@@ -213,14 +239,15 @@ class LatencyModel:
         depends only on the batch size cached."""
         const = self._dec_const.get((n, rows, sampled))
         if const is None:
-            dense = self.dense(self.graph_batch(n))
+            batch = self.graph_batch(n)
+            dense = self.dense(batch) + self.allreduce(batch)
             const = (dense, _bracket(self._ndec, n), self.rows("lm_head", rows), self.rows("sampler", sampled))
             self._dec_const.put((n, rows, sampled), const)
         dense, (i0, i1, wx), lm, sm = const
         j0, j1, wy = _bracket(self._kvd, context / n)
         r0, r1 = self._dec[i0], self._dec[i1]
         attn = (1 - wx) * ((1 - wy) * r0[j0] + wy * r0[j1]) + wx * ((1 - wy) * r1[j0] + wy * r1[j1])
-        return dense + attn * US * self.layers + lm + sm + self.step_s
+        return dense + attn * US * self.layers * self._attn_share + lm + sm + self.step_s
 
 
 # -- fitting (offline; the results live in the profile) ---------------------------------------------

@@ -1,28 +1,50 @@
-"""The headroom router's choice, free of Ray: which replicas can take a prompt now, and power of two among them.
+"""The headroom router's choice, free of Ray: which replicas can take a prompt now, and the least loaded of them.
 
 Each replica publishes (`record_routing_stats`) what its controller measured: the prompt tokens memory and cap
 admit into its next step (`effective_prefill_tokens`), the prompt tokens already queued to prefill, its free KV
 blocks and its queue. Those stats are up to a stats period old, so the router adds what it has routed to the
 replica since (the `Ledger`). A replica can take a prompt now when the prompt's first step (the whole prompt,
 or the largest chunk its controller admits) fits beside what is queued ahead of it, and its free KV holds the
-prompt. Two of those are drawn at random and the one with fewer prompt tokens queued goes first; when none can, the same
-draw runs over all replicas, so a request is never refused here (the replica's own admission decides).
+prompt. Of those, the one with the fewest prompt tokens queued goes first (then the fewest requests); when none
+can, the same rule runs over all healthy replicas, so a request is never refused here (the replica's own admission
+decides). The fleet simulator (bench/fleet/, bench/results/fleet.md) chose this over power of two choices.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
 from collections import defaultdict, deque
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
+
+from engine.serving.messages import EngineSnapshot, PrefillLoad
 
 K = TypeVar("K", bound=Hashable)
 
 LEDGER_SLACK_S = 0.25  # a routed request counts until stats published this long after it was routed
 LEDGER_MAX_AGE_S = 30.0  # and never longer (a replica that stopped publishing)
 UNKNOWN_STEP_TOKENS = 2048  # a replica that has not published yet: assumed prompt tokens per step
+
+
+def routing_stats(
+    snap: EngineSnapshot, num_waiting: int, healthy: bool, load: PrefillLoad | None, now: float
+) -> dict[str, Any]:
+    """What a replica publishes for `Headroom.of`, taken at `now` (Ray polls it; bench/fleet reads it in virtual
+    time). `load` None: the engine is not running, so only its counters."""
+    stats: dict[str, Any] = {
+        "healthy": healthy,
+        "kv_blocks_free": snap.kv_blocks_free,
+        "block_size": snap.block_size,
+        "num_waiting": num_waiting,
+        "num_running": snap.num_running,
+        "published_at": now,
+    }
+    if load is not None:
+        stats.update(asdict(load))
+    return stats
 
 
 @dataclass(frozen=True)
@@ -58,21 +80,29 @@ class Headroom:
         )
 
 
-def rank(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random) -> list[K]:
-    """Replica keys best first: the better of two drawn among those that can take the prompt now (among all
-    when none can), then the other, then the rest by work ahead (Ray tries them in order if a queue is full)."""
+def work_ahead(view: Headroom) -> tuple[bool, int, int]:
+    """Prompt tokens queued ahead, not steps: the adaptive controller's prefill cap grows with the prompts a
+    replica has seen, so dividing by it would pull long prompts to the replica that took the last one."""
+    return (not view.healthy, view.queued_tokens, view.queue_len)
+
+
+def choose_two(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random, draw: int = 0) -> list[K]:
+    """The two replicas with the least work ahead among those that can take the prompt now (among all healthy
+    when none can), ties broken at random. The ledger adds a routed prompt to its replica's work at once, so a
+    burst within one stats period spreads instead of herding onto one replica. `draw` > 0 first draws that many
+    at random (power of d choices, the rule before the fleet simulator compared them: bench/fleet/)."""
     able = [k for k, v in views.items() if v.can_take(prompt_tokens)]
     pool = able or [k for k, v in views.items() if v.healthy] or list(views)
-    drawn = rng.sample(pool, min(2, len(pool)))
+    if draw:
+        pool = rng.sample(pool, min(draw, len(pool)))
+    return heapq.nsmallest(2, pool, key=lambda k: (work_ahead(views[k]), rng.random()))
 
-    def work_ahead(k: K) -> tuple[bool, int, int]:
-        """Prompt tokens queued ahead, not steps: the adaptive controller's prefill cap grows with the prompts
-        a replica has seen, so dividing by it would pull long prompts to the replica that took the last one."""
-        v = views[k]
-        return (not v.healthy, v.queued_tokens, v.queue_len)
 
-    first = sorted(drawn, key=work_ahead)
-    return first + sorted((k for k in views if k not in first), key=work_ahead)
+def rank(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random) -> list[K]:
+    """Replica keys best first: `choose_two`, then the rest by work ahead (Ray tries them in order if a queue
+    is full)."""
+    first = choose_two(views, prompt_tokens, rng)
+    return first + sorted((k for k in views if k not in first), key=lambda k: work_ahead(views[k]))
 
 
 class Ledger:

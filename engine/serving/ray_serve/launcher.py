@@ -31,15 +31,17 @@ TORCH_REPLICA_CPUS = 1.0
 
 
 def replica_resources(ecfg: EngineConfig) -> dict[str, float]:
-    """One GPU per replica on CUDA; CPU shares for the twin and the CPU."""
+    """One GPU per rank on CUDA (a replica is one tensor-parallel group, its ranks in the replica's actor and
+    the processes it spawns); CPU shares for the twin and the CPU."""
     if ecfg.backend == "twin":
         return {"num_cpus": TWIN_REPLICA_CPUS}
+    gpus = ecfg.tensor_parallel_size
     if ecfg.device.startswith("cuda"):
-        return {"num_cpus": TORCH_REPLICA_CPUS, "num_gpus": 1}
+        return {"num_cpus": TORCH_REPLICA_CPUS, "num_gpus": gpus}
     if ecfg.device == "auto":
         import torch
 
-        return {"num_cpus": TORCH_REPLICA_CPUS, "num_gpus": 1 if torch.cuda.is_available() else 0}
+        return {"num_cpus": TORCH_REPLICA_CPUS, "num_gpus": gpus if torch.cuda.is_available() else 0}
     return {"num_cpus": TORCH_REPLICA_CPUS}
 
 

@@ -13,7 +13,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -22,6 +21,7 @@ from engine.config import EngineConfig, ServerConfig
 from engine.core.llm_engine import EngineDeadError
 from engine.serving.launch import build_app
 from engine.serving.ray_serve.forwarding import ForwardedRequest, call_app
+from engine.serving.ray_serve.headroom_policy import routing_stats
 from engine.serving.ray_serve.metrics_board import metrics_board
 
 logger = logging.getLogger("headroom.ray")
@@ -51,18 +51,10 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the headroom router reads (headroom_policy.Headroom.of), with when it was taken."""
-        snap = self.engine.snapshot
-        stats: dict[str, Any] = {
-            "healthy": self.engine.healthy,
-            "kv_blocks_free": snap.kv_blocks_free,
-            "block_size": snap.block_size,
-            "num_waiting": self.engine.num_waiting(),
-            "num_running": snap.num_running,
-            "published_at": time.time(),
-        }
+        load = None
         with contextlib.suppress(EngineDeadError):
-            stats.update(asdict(await self.engine.prefill_load()))
-        return stats
+            load = await self.engine.prefill_load()
+        return routing_stats(self.engine.snapshot, self.engine.num_waiting(), self.engine.healthy, load, time.time())
 
     async def _metrics_text(self) -> str:
         return b"".join([m.get("body", b"") async for m in call_app(self.app, _METRICS)]).decode()

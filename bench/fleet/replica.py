@@ -1,0 +1,109 @@
+"""One replica of the simulated fleet: a twin engine with its own scheduler, adaptive controller and sized KV
+pool, on its own virtual clock, which the fleet's event loop moves step by step.
+
+A step is computed when the fleet's clock reaches its start; its outputs belong to its end (`clock()`), and the
+fleet shows them to the router only then. Stats are published with the serving replica's own function
+(`routing_stats`), read at a step boundary as the Ray replica's engine-thread query is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bench.fleet.load import FleetRequest
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
+from engine.factory import build_engine
+from engine.serving.messages import EngineSnapshot, PrefillLoad
+from engine.serving.ray_serve.headroom_policy import routing_stats
+
+GiB = 1 << 30
+
+
+@dataclass
+class Counters:
+    """What a replica's past incarnations add to the fleet's totals."""
+
+    ooms: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class SimReplica:
+    cfg: EngineConfig
+    max_waiting: int
+    engine: LLMEngine = field(init=False)
+    inflight: dict[int, tuple[FleetRequest, Sequence]] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    up: bool = True
+    stepping: bool = False  # a step event is pending
+    incarnation: int = 0
+    past: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        self.engine = build_engine(self.cfg)
+
+    def clock(self) -> float:
+        return self.engine.backend.now()
+
+    def submit(self, req: FleetRequest, now: float, system_tokens: int) -> str | None:
+        """Queue `req`; the reason it is refused (the server's 429 or 400), or None."""
+        engine = self.engine
+        if len(engine.scheduler.waiting) >= self.max_waiting:
+            return "queue_full"
+        engine.backend.advance_to(now)  # an idle device waits for the arrival; a busy one is past it
+        params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True, temperature=0.0)
+        try:
+            seq = engine.add_request(f"r{req.index}", req.prompt_ids(system_tokens), params, req.arrival)
+        except RequestError:
+            return "bad_request"
+        self.inflight[req.index] = (req, seq)
+        return None
+
+    def step(self) -> list[int] | None:
+        """One engine step; the indices of the requests it finished, or None when it could not run one (nothing
+        schedulable until another request arrives)."""
+        engine, before, t = self.engine, self.engine.step_id, self.clock()
+        outputs = engine.step()
+        if engine.step_id == before and self.clock() == t:
+            return None
+        return [int(o.request_id[1:]) for o in outputs if o.finish_reason is not None]
+
+    def finish(self, index: int) -> tuple[FleetRequest, Sequence]:
+        return self.inflight.pop(index)
+
+    def publish(self, now: float) -> None:
+        engine = self.engine
+        snap = EngineSnapshot.of(engine, len(self.inflight))
+        self.stats = routing_stats(snap, len(engine.scheduler.waiting), engine.healthy, PrefillLoad.of(engine), now)
+
+    def die(self) -> list[FleetRequest]:
+        """The replica's process ends: what it held is lost (a 503, or an error event mid-stream)."""
+        lost = [req for req, _ in self.inflight.values()]
+        self.past.ooms += self.engine.ooms
+        self.past.preemptions += self.engine.scheduler.num_preemptions
+        self.inflight.clear()
+        self.up, self.stepping, self.stats = False, False, {"healthy": False}
+        self.incarnation += 1
+        return lost
+
+    def restart(self, now: float) -> None:
+        """A fresh process: a new engine and controller that learn from scratch."""
+        self.engine = build_engine(self.cfg)
+        self.engine.backend.advance_to(now)
+        self.up = True
+        self.publish(now)
+
+    def take_memory(self, nbytes: int) -> None:
+        """Another process on the card holds `nbytes` (0: gives it back)."""
+        self.engine.backend.set_external(nbytes)
+
+    @property
+    def ooms(self) -> int:
+        return self.past.ooms + (self.engine.ooms if self.up else 0)
+
+    @property
+    def preemptions(self) -> int:
+        return self.past.preemptions + (self.engine.scheduler.num_preemptions if self.up else 0)
