@@ -94,3 +94,15 @@ def test_sizes_the_heads_do_not_allow_are_refused_with_the_reason() -> None:
         vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=12, num_kv_heads=4, head_dim=8
     )
     assert "KV heads" in tp_refusal(odd, 6)  # 6 divides 12 query heads, but neither divides nor is a multiple of 4
+
+
+def test_cuda_ranks_take_their_own_device_and_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: the CUDA choices are checked with fakes (rank r on cuda:r, the group over NCCL)."""
+    from engine.backends import tp_collectives, tp_worker
+
+    made: list[tuple] = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", lambda *args: made.append(args) or "nccl", raising=False)
+    assert tp_collectives.make_group("store", 1, 2, torch.device("cuda", 1)) == "nccl"  # type: ignore[arg-type]
+    assert made == [("store", 1, 2)]
+    assert tp_worker.rank_kwargs({"device": "cuda"}, 1)["device"] == "cuda:1"
+    assert tp_worker.rank_kwargs({"device": "cpu"}, 1)["device"] == "cpu"
