@@ -100,7 +100,7 @@ def fleet_doc(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    stamp = Stamp("headroom bench fleet", sys.argv[3:] if sys.argv[1:3] == ["bench", "fleet"] else None)
+    stamp = Stamp("headroom")
     doc = stamp_data(fleet_doc(args), stamp)
     for name, r in doc["routers"].items():  # type: ignore[union-attr]
         print(f"{name:18s} p50 {np.median(r['ttft_p50_ms']):8.1f} ms  p99 {np.median(r['ttft_p99_ms']):8.1f} ms  "

@@ -26,12 +26,19 @@ def _mw(values: list[float]) -> str:
     return f"{statistics.median(values):.0f} ({max(values):.0f})"
 
 
-def verdict(routers: dict[str, dict]) -> tuple[bool, str]:
-    """Whether the candidate meets the issue's bar against `default`, and the numbers that say so."""
+def ratios(routers: dict[str, dict]) -> tuple[float, float, bool]:
+    """TTFT p99 default/candidate at the median seed and at the worst, and whether the candidate's p50 is no
+    worse."""
     d, h = routers["default"], routers[CANDIDATE]
     med = statistics.median(d["ttft_p99_ms"]) / statistics.median(h["ttft_p99_ms"])
     worst = max(d["ttft_p99_ms"]) / max(h["ttft_p99_ms"])
-    p50 = statistics.median(h["ttft_p50_ms"]) <= statistics.median(d["ttft_p50_ms"])
+    return med, worst, statistics.median(h["ttft_p50_ms"]) <= statistics.median(d["ttft_p50_ms"])
+
+
+def verdict(routers: dict[str, dict]) -> tuple[bool, str]:
+    """Whether the candidate meets the issue's bar against `default`, and the numbers that say so."""
+    d, h = routers["default"], routers[CANDIDATE]
+    med, worst, p50 = ratios(routers)
     ok = med >= TARGET and worst >= 1.0 and p50
     return ok, (
         f"TTFT p99 default/{CANDIDATE}: {med:.2f}x at the median seed (target {TARGET}x), {worst:.2f}x at the "
@@ -54,8 +61,7 @@ def summary(docs: list[dict]) -> list[str]:
         d, h = r["default"], r[CANDIDATE]
         ok, _ = verdict(r)
         bar = ("met" if ok else "missed") if doc["load"] == "near" else "-"
-        med = statistics.median(d["ttft_p99_ms"]) / statistics.median(h["ttft_p99_ms"])
-        worst = max(d["ttft_p99_ms"]) / max(h["ttft_p99_ms"])
+        med, worst, _ = ratios(r)
         p50 = f"{statistics.median(d['ttft_p50_ms']):.0f} / {statistics.median(h['ttft_p50_ms']):.0f}"
         lines.append(
             f"| {doc['replicas']} | {doc['load']} | {_seeds(doc)} | {p50} | {_mw(d['ttft_p99_ms'])} / "

@@ -44,6 +44,7 @@ class Router:
     published stats."""
 
     name = ""
+    reads_stats = False  # whether the replicas' published stats are what it routes by
 
     def __init__(self, fleet: Fleet, rng: random.Random) -> None:
         self.fleet, self.rng = fleet, rng
@@ -130,6 +131,7 @@ class HeadroomRouter(Router):
     the simulator's clock."""
 
     name = "headroom"
+    reads_stats = True
     draw = 0  # choose_two's: 0 = every replica that can take the prompt
 
     def __init__(self, fleet: Fleet, rng: random.Random) -> None:

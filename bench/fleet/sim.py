@@ -24,6 +24,7 @@ MAX_ONGOING = 512  # the launcher's max_ongoing_requests: 2 x max_waiting
 MAX_WAITING = 256  # ServerConfig.max_waiting: a replica's own 429
 DRAIN_LIMIT_S = 300.0  # after the last arrival; what is still unfinished then counts as failed
 FINISH, PUBLISH, FAULT, ARRIVE, STEP = range(5)  # the order of events at one instant
+DIES, RESTARTS = -1, -2  # a FAULT event's arg; one >= 0 is the bytes another process holds on the card
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,8 @@ class FleetSim:
         for rep in self.reps:
             rep.publish(0.0)
         self.router = ROUTERS[router](self, random.Random(seed + 1))
-        self.reads_stats = hasattr(self.router, "ledger")
-        for i, rep in enumerate(self.reps):
-            if self.reads_stats:
+        if self.router.reads_stats:
+            for i, rep in enumerate(self.reps):
                 self._push(STATS_PERIOD_S, PUBLISH, i, rep.incarnation)
 
     # -- what routers read -------------------------------------------------------------------------
@@ -184,21 +184,21 @@ class FleetSim:
         if f is None:
             return
         for i in self.rng.sample(range(n), max(1, round(f.kill_share * n))):
-            self._push(f.kill_at * d, FAULT, i, -1)
+            self._push(f.kill_at * d, FAULT, i, DIES)
         for i in self.rng.sample(range(n), max(1, round(f.squeeze_share * n))):
             self._push(f.squeeze_at * d, FAULT, i, int(f.squeeze_gib * GiB))
             self._push(f.squeeze_at * d + f.squeeze_for_s, FAULT, i, 0)
 
     def _fault(self, i: int, arg: int) -> None:
-        """arg -1: the replica dies; -2: it is back; else the bytes another process holds on its card."""
+        """arg DIES, RESTARTS, or the bytes another process now holds on the replica's card."""
         rep = self.reps[i]
-        if arg == -1 and rep.up:
+        if arg == DIES and rep.up:
             self._kill(i)
-        elif arg == -2:
+        elif arg == RESTARTS:
             rep.restart(self._now)
             self.alive[i] = True
             self.router.replaced(i)
-            if self.reads_stats:
+            if self.router.reads_stats:
                 self._push(self._now + STATS_PERIOD_S, PUBLISH, i, rep.incarnation)
             self._route_held()
         elif arg >= 0 and rep.up:
@@ -211,4 +211,4 @@ class FleetSim:
         self.alive[i], self.ongoing[i] = False, 0
         self.router.replaced(i)
         restart = self.faults.restart_after_s if self.faults else 10.0
-        self._push(self._now + restart, FAULT, i, -2)
+        self._push(self._now + restart, FAULT, i, RESTARTS)
