@@ -40,14 +40,28 @@ class Experiment:
         return self.compared or tuple(o for o in self.outputs if o.endswith((".md", ".json", ".jsonl")))
 
 
-FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers: "" for all): what one session's two cores could run
-    (4, "near", 0, 10, ""), (4, "above", 0, 10, ""), (16, "near", 0, 10, ""), (16, "above", 0, 10, ""),
-    (16, "near", 100, 10, "default,headroom_p2c,headroom"), (64, "near", 0, 10, ""), (64, "above", 0, 10, ""),
-    (256, "near", 0, 5, "default,headroom"), (256, "above", 0, 2, "default,headroom"),
-    (1000, "near", 0, 1, "default,headroom"), (1000, "above", 0, 1, "default,headroom"),
+_BEFORE_PREFIX = "default,round_robin,least_outstanding,prefix_affinity,headroom_p2c,headroom_no_prefix"
+FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what two sessions' two cores could run
+    (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
+    (16, "near", 0, 10, _BEFORE_PREFIX, ""), (16, "above", 0, 10, _BEFORE_PREFIX, ""),
+    (16, "near", 100, 10, "default,headroom_p2c,headroom_no_prefix", ""),
+    (64, "near", 0, 10, _BEFORE_PREFIX, ""), (64, "above", 0, 10, _BEFORE_PREFIX, ""),
+    (256, "near", 0, 5, "default,headroom_no_prefix", ""), (256, "above", 0, 2, "default,headroom_no_prefix", ""),
+    (1000, "near", 0, 1, "default,headroom_no_prefix", ""), (1000, "above", 0, 1, "default,headroom_no_prefix", ""),
+    # the headroom rule with prefix homes, found after the runs above (report.merge joins them by size and load)
+    (4, "near", 0, 10, "headroom", "headroom"), (4, "above", 0, 10, "headroom", "headroom"),
+    (16, "near", 0, 10, "headroom", "headroom"), (16, "above", 0, 10, "headroom", "headroom"),
+    (16, "near", 100, 10, "headroom", "headroom"),
+    (64, "near", 0, 10, "headroom", "headroom"), (64, "above", 0, 10, "headroom", "headroom"),
+    (256, "near", 5, 5, "default,headroom_no_prefix,headroom", ""), (256, "near", 0, 5, "headroom", "headroom"),
+    (256, "near", 0, 10, "round_robin,least_outstanding,prefix_affinity,headroom_p2c", "others"),
+    (256, "above", 0, 2, "headroom", "headroom"), (256, "above", 2, 8, "default,headroom", ""),
+    (1000, "near", 0, 2, "headroom", "headroom"), (1000, "near", 1, 1, "default", ""),
+    (1000, "above", 0, 1, "headroom", "headroom"),
 )  # fmt: skip
 FLEET_JSONS = tuple(
-    f"fleet/{n}_{load}" + (f"_seed{first}" if first else "") + ".json" for n, load, first, *_ in FLEET_RUNS
+    f"fleet/{n}_{load}" + (f"_seed{first}" if first else "") + (f"_{tag}" if tag else "") + ".json"
+    for n, load, first, _, _, tag in FLEET_RUNS
 )
 
 
@@ -56,11 +70,10 @@ def _fleet_runs() -> Experiment:
     runs = tuple(
         f"headroom bench fleet --replicas {n} --load {load} --seeds {seeds}"
         + (f" --first-seed {first}" if first else "")
-        + (f" --routers {routers}" if routers else "")
-        + f" --jobs 2 --out {{out}}/{name}"
-        for (n, load, first, seeds, routers), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
+        + f" --routers {routers} --jobs 2 --out {{out}}/{name}"
+        for (n, load, first, seeds, routers, _), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
     )
-    return Experiment("fleet", runs, FLEET_JSONS, "twin", 7700, "slow")
+    return Experiment("fleet", runs, FLEET_JSONS, "twin", 13200, "slow")
 
 
 def _fleet_report() -> Experiment:

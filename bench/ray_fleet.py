@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 
 from bench.harness import http
+from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
 from bench.harness.server import headroom
 from engine.serving.ray_serve.replica import REPLICA_HEADER
@@ -138,7 +139,7 @@ def summarize(router: str, outcomes: list[Outcome], makespan: float, ooms: float
     return row
 
 
-def report(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+def report(args: argparse.Namespace, rows: list[dict], machine: str) -> list[str]:
     cols = ("router", "requests", "completed", "errors", "ooms", "req_per_s", "out_tok_per_s", "ttft_p50_ms",
             "ttft_p99_ms", "chat_ttft_p50_ms", "chat_ttft_p99_ms", "long_ttft_p50_ms", "long_ttft_p99_ms",
             "long_per_replica")  # fmt: skip
@@ -171,7 +172,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> list[str]:
             "long_per_replica: the 8192-token prompts each replica served, most first. Raw outcomes: "
             "the .json beside this file.",
         ]
-    return lines
+    return [*lines, "", machine]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     stamp = Stamp("python -m bench.ray_fleet", argv)
     planned = schedule(args.seed, args.duration, args.chat_rate, args.long_rate)
+    load_before = load_average()
     rows = [run_router(router, args.replicas, planned) for router in args.routers]
-    write_report(args.out, report(args, rows), stamp, rows)
+    write_report(args.out, report(args, rows, machine_line(load_before)), stamp, rows)
     return 0
 
 

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from bench.fleet.command import engine_config, summarize
+from bench.fleet.command import PER_SEED, engine_config, summarize
 from bench.fleet.load import FleetRequest, Scenario, generate
-from bench.fleet.routers import ROUTERS, HeadroomRouter, PowerOfTwo
+from bench.fleet.routers import ROUTERS, HeadroomNoPrefix, HeadroomRouter, PowerOfTwo
 from bench.fleet.sim import STATS_PERIOD_S, Faults, FleetSim
-from engine.serving.ray_serve.headroom_policy import Headroom
+from engine.serving.ray_serve.headroom_policy import Headroom, Prompt
 
 SMALL = Scenario(duration_s=4.0, rate_per_replica=3.0)
 
@@ -87,6 +87,7 @@ def test_a_router_sees_a_finish_only_when_it_happens() -> None:
 class _Fleet:
     def __init__(self, ongoing: list[int], stats: list[dict]) -> None:
         self.ongoing, self.alive, self.max_ongoing, self._stats = ongoing, [True] * len(ongoing), 4, stats
+        self.system_tokens = 512
 
     def stats(self, replica: int) -> dict:
         return self._stats[replica]
@@ -109,13 +110,26 @@ def test_the_headroom_router_sends_a_long_prompt_only_where_it_fits_and_counts_w
         return {"effective_prefill_tokens": 8192, "queued_prefill_tokens": queued, "kv_blocks_free": 80,
                 "block_size": 256, "num_waiting": 0, "num_running": 0, "published_at": 0.0}  # fmt: skip
 
-    fleet = _Fleet([0, 0, 0], [stats(4096), stats(0), stats(4096)])
+    fleet = _Fleet([0, 0, 0], [stats(3800), stats(0), stats(4096)])
     router = HeadroomRouter(fleet, random.Random(0))
     long = FleetRequest(0, 0.0, "long", 8192, 16, -1)
     assert {router.choose(long) for _ in range(20)} == {1}
     router.routed(1, long)
     assert router.views[1] == Headroom.of(stats(0), routed_tokens=8192)
     assert not router.views[1].can_take(8192)
+    chat = FleetRequest(1, 0.0, "chat", 700, 16, tenant=3)
+    router.routed(0, chat)  # the tenant's first chat: its system prompt is now cached at replica 0
+    assert router.views[0] == Headroom.of(stats(3800), routed_tokens=700)
+    again = FleetRequest(2, 0.0, "chat", 700, 16, tenant=3)
+    assert router.choose(again) == 0  # 4500 + 188 (512 cached) queued there beats 4096 + 700 at replica 2
+    blind = HeadroomNoPrefix(fleet, random.Random(0))
+    blind.routed(1, long)
+    blind.routed(0, chat)
+    assert blind.choose(again) == 2  # without the prefix home: 4500 + 700 against 4096 + 700
+    router.routed(0, again)
+    assert router.views[0] == Headroom.of(stats(3800), routed_tokens=700 + 188)  # only the uncached part
+    router.replaced(0)
+    assert router._prompt(again) == Prompt(700)  # the home is lost with the replica
 
 
 def test_stats_are_published_each_period_and_at_a_step_boundary() -> None:
@@ -154,7 +168,7 @@ def test_the_report_judges_near_capacity_by_the_median_and_the_worst_seed() -> N
     from bench.fleet.report import summary, verdict
 
     def router(p50: list[float], p99: list[float]) -> dict:
-        return {"ttft_p50_ms": p50, "ttft_p99_ms": p99}
+        return {"seeds": [0, 1, 2], "ttft_p50_ms": p50, "ttft_p99_ms": p99}
 
     good = {"default": router([100, 120, 90], [1300, 2000, 900]), "headroom": router([90, 120, 80], [1000, 1900, 600])}
     assert verdict(good)[0]  # medians 1300 / 1000 = 1.3x, worst 2000 / 1900
@@ -165,3 +179,32 @@ def test_the_report_judges_near_capacity_by_the_median_and_the_worst_seed() -> N
     rows = summary([{"replicas": 8, "load": "near", "seeds": [0, 1, 2], "routers": good},
                     {"replicas": 8, "load": "above", "seeds": [0, 1, 2], "routers": worse_tail}])  # fmt: skip
     assert rows[2].endswith("| met |") and rows[3].endswith("| - |")
+    other_seeds = {**good, "headroom": {**good["headroom"], "seeds": [0, 1, 3]}}
+    assert verdict(other_seeds) == (False, "not judged: default ran seeds 0-2, headroom 0-1, 3")
+
+
+def test_the_report_merges_runs_of_one_size_and_load_and_keeps_held_out_seeds_apart() -> None:
+    from bench.fleet.report import merge, verdict
+
+    def doc(seeds: list[int], routers: tuple[str, ...], load: str = "near") -> dict:
+        runs = {k: [float(s) for s in seeds] for k in (*PER_SEED, "wall_s")}
+        return {"replicas": 8, "load": load, "seeds": seeds, "command": f"run {seeds} {routers}", "wall_s": 1.0,
+                "capacity_req_per_s_per_replica": 4.0, "scenario": {}, "faults": None,
+                "routers": {r: {**runs, "ooms": 1, "failed": 2, "preemptions": 3} for r in routers}}  # fmt: skip
+
+    docs = [doc([2], ("default",)), doc([0, 1], ("default", "a")), doc([0, 1, 2], ("b",)), doc([100], ("default",)),
+            doc([0], ("default",), load="above")]  # fmt: skip
+    docs[2]["renamed"] = "c -> b"
+    near, held_out, above = merge(docs)
+    assert near["seeds"] == [0, 1, 2] and near["commands"][:2] == [f"`{d['command']}`" for d in docs[:2]]
+    assert near["commands"][2] == f"`{docs[2]['command']}` (a router renamed since: c -> b, the same rule)"
+    assert list(near["routers"]) == ["default", "a", "b"] and near["wall_s"] == 3.0
+    assert near["routers"]["default"]["seeds"] == [0, 1, 2] and near["routers"]["a"]["seeds"] == [0, 1]  # sorted
+    judged = verdict({"default": near["routers"]["default"], "headroom": near["routers"]["b"]})[1]
+    assert judged.startswith("TTFT p99"), judged  # the same seeds, though from runs in another order
+    assert near["routers"]["default"]["ttft_p99_ms"] == [0.0, 1.0, 2.0] and near["routers"]["default"]["ooms"] == 2
+    assert held_out["seeds"] == [100] and above["load"] == "above"
+    with pytest.raises(ValueError, match="twice"):
+        merge([doc([0, 1], ("default",)), doc([1], ("default",))])
+    with pytest.raises(ValueError, match="not the load"):
+        merge([doc([0], ("default",)), {**doc([1], ("default",)), "capacity_req_per_s_per_replica": 5.0}])

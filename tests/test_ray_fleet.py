@@ -82,6 +82,20 @@ def test_the_openai_client_gets_the_same_answers_as_from_one_server(fleet: str, 
         assert chat_answers(client(fleet)) == expected
 
 
+def test_chats_that_share_a_system_prompt_go_where_it_is_cached(fleet: str) -> None:
+    """Both replicas idle: the first chat's replica is a coin toss, the next ones go to it (its cached system
+    prompt is work the other would do). The gap lets the replicas publish stats that include the last chat."""
+    system = {"role": "system", "content": "You answer questions about geography in one short sentence. " * 8}
+    replicas = []
+    for question in ("What is the capital of France?", "And of Spain?", "And of Italy?"):
+        body = {"model": "default", "messages": [system, {"role": "user", "content": question}], "max_tokens": 4}
+        r = httpx.post(fleet + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        replicas.append(r.headers[REPLICA_HEADER.decode()])
+        time.sleep(2.0)
+    assert len(set(replicas)) == 1, replicas
+
+
 def test_bad_input_is_an_openai_error_through_the_fleet(fleet: str) -> None:
     r = httpx.post(fleet + "/v1/chat/completions", content=b"{bad", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -1,5 +1,6 @@
-"""The headroom router's choice without Ray: who can take a prompt now, power of two among them, the ledger of
-what was routed since the last stats, and the prompt sizes the ingress computes."""
+"""The headroom router's choice without Ray: who can take a prompt now, the least work ahead among them (power of
+two as a draw), the ledger of what was routed since the last stats, the prefix homes, and the prompt sizes and
+prefixes the ingress computes."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from collections import Counter
 from engine.serving.ray_serve.headroom_policy import (
     LEDGER_SLACK_S,
     UNKNOWN_STEP_TOKENS,
+    Affinity,
     Headroom,
     Ledger,
+    Prompt,
     choose_two,
     rank,
 )
-from engine.serving.ray_serve.prompt_size import prompt_tokens
+from engine.serving.ray_serve.prompt_size import MIN_PREFIX_TOKENS, PREFIX_CHARS, size_prompt
 from engine.serving.standin import StandInTokenizer
 
 
@@ -51,29 +54,29 @@ def test_a_replica_without_stats_counts_only_what_was_routed_to_it() -> None:
 def test_rank_picks_only_among_replicas_that_can_take_the_prompt() -> None:
     views = {"busy": Headroom.of(stats(queued=4096)), "a": Headroom.of(stats()), "b": Headroom.of(stats()),
              "c": Headroom.of(stats(queued=3000))}  # fmt: skip
-    firsts = Counter(rank(views, 8192, random.Random(seed))[0] for seed in range(200))
+    firsts = Counter(rank(views, Prompt(8192), random.Random(seed))[0] for seed in range(200))
     assert set(firsts) == {"a", "b"} and min(firsts.values()) > 50
-    order = rank(views, 8192, random.Random(0))
+    order = rank(views, Prompt(8192), random.Random(0))
     assert sorted(order) == sorted(views) and order[-1] == "busy"  # the rest follow, least work ahead first
 
 
 def test_rank_prefers_the_drawn_replica_with_less_work_ahead() -> None:
     views = {"light": Headroom.of(stats(queued=100)), "heavy": Headroom.of(stats(queued=2000))}
-    assert all(rank(views, 50, random.Random(seed))[0] == "light" for seed in range(20))
+    assert all(rank(views, Prompt(50), random.Random(seed))[0] == "light" for seed in range(20))
 
 
 def test_rank_falls_back_to_healthy_replicas_when_none_can_take_it_now() -> None:
     views = {"full": Headroom.of(stats(queued=9000)), "fuller": Headroom.of(stats(queued=20000)),
              "dead": Headroom.of(stats(healthy=False))}  # fmt: skip
     for seed in range(20):
-        order = rank(views, 8192, random.Random(seed))
+        order = rank(views, Prompt(8192), random.Random(seed))
         assert order[0] == "full" and order[-1] == "dead"
 
 
 def test_the_least_loaded_able_replica_goes_first_and_power_of_two_remains_as_a_draw() -> None:
     views = {f"r{i}": Headroom.of(stats(queued=10 * i)) for i in range(4)}
-    assert all(rank(views, 100, random.Random(seed))[:2] == ["r0", "r1"] for seed in range(50))
-    firsts = Counter(choose_two(views, 100, random.Random(seed), draw=2)[0] for seed in range(400))
+    assert all(rank(views, Prompt(100), random.Random(seed))[:2] == ["r0", "r1"] for seed in range(50))
+    firsts = Counter(choose_two(views, Prompt(100), random.Random(seed), draw=2)[0] for seed in range(400))
     assert firsts["r3"] == 0  # the most loaded never wins a draw of two
     assert firsts["r0"] > firsts["r1"] > firsts["r2"] > 0
 
@@ -85,7 +88,7 @@ def test_a_burst_within_one_stats_period_spreads_through_the_ledger() -> None:
     ledger = Ledger(clock)
     for seed in range(8):
         views = {k: Headroom.of(v, ledger.routed_since(k, clock.t)) for k, v in published.items()}
-        first = choose_two(views, 500, random.Random(seed))[0]
+        first = choose_two(views, Prompt(500), random.Random(seed))[0]
         ledger.add(first, 500)
         sent[first] += 1
     assert sorted(sent.values()) == [2, 2, 2, 2]
@@ -120,14 +123,59 @@ def test_prompt_size_follows_the_stand_in_tokenizer_for_chat_and_prompts() -> No
     tok = StandInTokenizer()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 8191}]
     body = json.dumps({"messages": messages, "n": 2}).encode()
-    assert prompt_tokens(body) == 2 * len(tok.encode(tok.apply_chat_template(messages)))
+    assert size_prompt(body).tokens == 2 * len(tok.encode(tok.apply_chat_template(messages)))
     parts = [{"role": "user", "content": [{"type": "text", "text": "abcdefgh"}]}]
-    assert prompt_tokens(json.dumps({"messages": parts}).encode()) == len(
+    assert size_prompt(json.dumps({"messages": parts}).encode()).tokens == len(
         tok.encode(tok.apply_chat_template([{"role": "user", "content": "abcdefgh"}]))
     )
-    assert prompt_tokens(b'{"prompt": "abcde"}') == 2
-    assert prompt_tokens(b'{"prompt": ["abcd", "abcdefgh"]}') == 3
-    assert prompt_tokens(b'{"prompt": [1, 2, 3]}') == 3
-    assert prompt_tokens(b'{"prompt": [[1, 2], [3]]}') == 3
+    assert size_prompt(b'{"prompt": "abcde"}').tokens == 2
+    assert size_prompt(b'{"prompt": ["abcd", "abcdefgh"]}').tokens == 3
+    assert size_prompt(b'{"prompt": [1, 2, 3]}').tokens == 3
+    assert size_prompt(b'{"prompt": [[1, 2], [3]]}').tokens == 3
     for junk in (b"{bad", b"[1]", b'{"prompt": 5}', b"", b"\xff"):
-        assert prompt_tokens(junk) == 0
+        assert size_prompt(junk).tokens == 0
+
+
+def test_the_prefix_key_is_the_system_turns_or_a_long_prompts_head() -> None:
+    system = {"role": "system", "content": "s" * 4 * MIN_PREFIX_TOKENS}
+    one, two = ({"messages": [system, {"role": "user", "content": q}]} for q in ("first", "second question"))
+    a, b = size_prompt(json.dumps(one).encode()), size_prompt(json.dumps(two).encode())
+    shared = StandInTokenizer().apply_chat_template([system], add_generation_prompt=False)
+    assert a.prefix is not None and a.prefix == b.prefix and a.tokens != b.tokens
+    assert a.prefix_tokens == len(shared) // 4 < a.tokens  # whole tokens of the system turn: a prefix of the chat
+    other = {"messages": [{**system, "content": "t" * 4 * MIN_PREFIX_TOKENS}, {"role": "user", "content": "first"}]}
+    assert size_prompt(json.dumps(other).encode()).prefix != a.prefix
+    short = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 8000}]}
+    assert size_prompt(json.dumps(short).encode()).prefix is None  # too short to be worth routing for
+    head = "h" * PREFIX_CHARS
+    long_a, long_b = (size_prompt(json.dumps({"prompt": head + tail}).encode()) for tail in ("a", "b" * 50))
+    assert long_a.prefix == long_b.prefix is not None and long_a.prefix_tokens == PREFIX_CHARS // 4
+    assert size_prompt(json.dumps({"prompt": head}).encode()).prefix is None  # no longer than its head
+
+
+def test_a_prompt_goes_home_while_its_cached_prefix_outweighs_the_queue_there() -> None:
+    views = {"home": Headroom.of(stats(queued=900)), "idle": Headroom.of(stats(queued=500))}
+    affinity = Affinity()
+    affinity.routed("tenant", "home")
+    prompt = affinity.prompt(700, "tenant", 512)
+    assert prompt.to_prefill("home") == 188 and prompt.to_prefill("idle") == 700
+    assert all(rank(views, prompt, random.Random(seed))[0] == "home" for seed in range(20))  # 900+188 < 500+700
+    assert rank(views, affinity.prompt(700, "stranger", 512), random.Random(0))[0] == "idle"
+    views["home"] = Headroom.of(stats(queued=1200))
+    assert rank(views, prompt, random.Random(0))[0] == "idle"  # 1200+188 > 500+700: balance wins
+    affinity.forget("home")
+    assert affinity.prompt(700, "tenant", 512) == Prompt(700)
+
+
+def test_affinity_remembers_the_last_home_and_a_bounded_number_of_prefixes(monkeypatch) -> None:
+    from engine.serving.ray_serve import headroom_policy
+
+    monkeypatch.setattr(headroom_policy, "AFFINITY_PREFIXES", 2)
+    affinity = Affinity()
+    affinity.routed("a", "r0")
+    affinity.routed("a", "r1")
+    affinity.routed(None, "r0")  # a prompt without a shared prefix
+    assert affinity.prompt(100, "a", 50).home == "r1"
+    affinity.routed("b", "r0")
+    affinity.routed("c", "r0")  # the third prefix: the least recently routed ("a") is forgotten
+    assert affinity.prompt(100, "a", 50) == Prompt(100) and affinity.prompt(100, "b", 50).home == "r0"

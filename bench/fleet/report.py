@@ -1,6 +1,9 @@
 """The fleet report: one table per fleet size and load from `headroom bench fleet` JSONs, each router's median
 and worst seed, the verdict against Ray's default router near capacity, and a plot per fleet size.
 
+Runs of one size and load are merged (a router added later, or more seeds, is one more JSON), except that held-out
+seeds (from `HELD_OUT`) get their own table: no rule was chosen by looking at them.
+
     python -m bench.fleet.report bench/results/fleet/*.json --out bench/results/fleet.md
 """
 
@@ -11,15 +14,53 @@ import json
 import statistics
 from pathlib import Path
 
+from bench.fleet.command import PER_SEED, TOTALS
 from bench.harness.report import Stamp, write_report
 
 TARGET = 1.3  # the issue's TTFT p99 ratio, default / headroom, at the median seed
 CANDIDATE = "headroom"
+HELD_OUT = 100  # seeds from here on were not run while a rule was chosen (`headroom bench fleet --first-seed 100`)
+SAME_RUN = ("capacity_req_per_s_per_replica", "scenario", "faults")  # what merged runs must share
 
 
-def _seeds(doc: dict) -> str:
-    seeds = doc["seeds"]
-    return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+def _seeds(seeds: list[int]) -> str:
+    """`0-9`, `0, 5-9`: runs of consecutive seeds."""
+    spans: list[list[int]] = []
+    for s in sorted(seeds):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+def merge(docs: list[dict]) -> list[dict]:
+    """One doc per fleet size, load and seed family (held out or not), its routers each with the seeds it ran."""
+    groups: dict[tuple, dict] = {}
+    for doc in docs:
+        key = (doc["replicas"], doc["load"], doc["seeds"][0] >= HELD_OUT)
+        group = groups.setdefault(key, {**doc, "routers": {}, "commands": [], "wall_s": 0.0})
+        if any(group[k] != doc[k] for k in SAME_RUN):
+            raise ValueError(f"{doc['command']}: not the load and faults of {group['commands'][0]}")
+        renamed = f" (a router renamed since: {doc['renamed']}, the same rule)" if "renamed" in doc else ""
+        group["commands"].append(f"`{doc['command']}`{renamed}")
+        group["wall_s"] = round(group["wall_s"] + doc["wall_s"], 1)
+        for name, runs in doc["routers"].items():
+            entry = group["routers"].setdefault(name, {"seeds": [], **{k: [] for k in (*PER_SEED, "wall_s")}})
+            if set(entry["seeds"]) & set(doc["seeds"]):
+                raise ValueError(f"{name} ran seeds {doc['seeds']} twice at {key}")
+            entry["seeds"] += doc["seeds"]
+            for k in (*PER_SEED, "wall_s"):
+                entry[k] += runs[k]
+            for k in TOTALS:
+                entry[k] = entry.get(k, 0) + runs[k]
+    for group in groups.values():
+        for entry in group["routers"].values():  # in seed order, whichever run a seed came from
+            order = sorted(range(len(entry["seeds"])), key=entry["seeds"].__getitem__)
+            for k in ("seeds", *PER_SEED, "wall_s"):
+                entry[k] = [entry[k][i] for i in order]
+        group["seeds"] = sorted({s for r in group["routers"].values() for s in r["seeds"]})
+    return list(groups.values())
 
 
 def _mw(values: list[float]) -> str:
@@ -36,8 +77,11 @@ def ratios(routers: dict[str, dict]) -> tuple[float, float, bool]:
 
 
 def verdict(routers: dict[str, dict]) -> tuple[bool, str]:
-    """Whether the candidate meets the issue's bar against `default`, and the numbers that say so."""
+    """Whether the candidate meets the issue's bar against `default` over the same seeds, and the numbers that
+    say so."""
     d, h = routers["default"], routers[CANDIDATE]
+    if d.get("seeds") != h.get("seeds"):
+        return False, f"not judged: default ran seeds {_seeds(d['seeds'])}, {CANDIDATE} {_seeds(h['seeds'])}"
     med, worst, p50 = ratios(routers)
     ok = med >= TARGET and worst >= 1.0 and p50
     return ok, (
@@ -59,12 +103,14 @@ def summary(docs: list[dict]) -> list[str]:
         if not {"default", CANDIDATE} <= set(r):
             continue
         d, h = r["default"], r[CANDIDATE]
+        if d["seeds"] != h["seeds"]:
+            continue  # the table below says so
         ok, _ = verdict(r)
         bar = ("met" if ok else "missed") if doc["load"] == "near" else "-"
         med, worst, _ = ratios(r)
         p50 = f"{statistics.median(d['ttft_p50_ms']):.0f} / {statistics.median(h['ttft_p50_ms']):.0f}"
         lines.append(
-            f"| {doc['replicas']} | {doc['load']} | {_seeds(doc)} | {p50} | {_mw(d['ttft_p99_ms'])} / "
+            f"| {doc['replicas']} | {doc['load']} | {_seeds(d['seeds'])} | {p50} | {_mw(d['ttft_p99_ms'])} / "
             f"{_mw(h['ttft_p99_ms'])} | {med:.2f}x ({worst:.2f}x) | {bar} |"
         )
     return lines
@@ -73,23 +119,25 @@ def summary(docs: list[dict]) -> list[str]:
 def table(doc: dict) -> list[str]:
     lines = [
         f"### {doc['replicas']} replicas, load {doc['load']} ({doc['scenario']['rate_per_replica']} req/s per "
-        f"replica; capacity {doc['capacity_req_per_s_per_replica']}), seeds {_seeds(doc)}, wall {doc['wall_s']} s",
+        f"replica; capacity {doc['capacity_req_per_s_per_replica']}), seeds {_seeds(doc['seeds'])}, wall "
+        f"{doc['wall_s']} s (its commands', each with its --jobs)",
         "",
-        "| router | TTFT p50 ms | TTFT p99 ms | chat p99 ms | long p99 ms | output tok/s | preemptions | OOMs "
-        "| failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| router | seeds | TTFT p50 ms | TTFT p99 ms | chat p99 ms | long p99 ms | output tok/s | preemptions "
+        "| OOMs | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in doc["routers"].items():
         tok = statistics.median(r["out_tok_per_s"])
         lines.append(
-            f"| {name} | {_mw(r['ttft_p50_ms'])} | {_mw(r['ttft_p99_ms'])} | {_mw(r['chat_ttft_p99_ms'])} | "
-            f"{_mw(r['long_ttft_p99_ms'])} | {tok:.0f} | {r['preemptions']} | {r['ooms']} | {r['failed']} |"
+            f"| {name} | {_seeds(r['seeds'])} | {_mw(r['ttft_p50_ms'])} | {_mw(r['ttft_p99_ms'])} | "
+            f"{_mw(r['chat_ttft_p99_ms'])} | {_mw(r['long_ttft_p99_ms'])} | {tok:.0f} | {r['preemptions']} | "
+            f"{r['ooms']} | {r['failed']} |"
         )
     if {"default", CANDIDATE} <= set(doc["routers"]):
         ok, text = verdict(doc["routers"])
         judged = f"{'Meets' if ok else 'Misses'} the bar" if doc["load"] == "near" else "Above capacity (not judged)"
         lines += ["", f"{judged}: {text}."]
-    return [*lines, "", f"`{doc['command']}`", ""]
+    return [*lines, "", *doc["commands"], ""]
 
 
 def plot(docs: list[dict], path: Path) -> None:
@@ -120,8 +168,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="the markdown report; plots beside it")
     ap.add_argument("--no-plot", action="store_true", help="write no PNG (the markdown still links them)")
     args = ap.parse_args()
-    docs = [json.loads(Path(p).read_text()) for p in args.inputs]
-    docs.sort(key=lambda d: (d["replicas"], d["load"] != "near"))
+    docs = merge([json.loads(Path(p).read_text()) for p in args.inputs])
+    docs.sort(key=lambda d: (d["replicas"], d["load"] != "near", d["seeds"][0]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -129,7 +177,7 @@ def main() -> None:
         "",
         "Each cell: the median over seeds, the worst seed in brackets. The bar (issue #29), near capacity: TTFT p99 "
         f"default/{CANDIDATE} at least {TARGET}x at the median seed and at least 1.0x at the worst, TTFT p50 no "
-        "worse. The load, the faults, the routers, and why the p50 misses from 64 replicas up: docs/scale-out.md.",
+        "worse. The load, the faults, the routers, and what the runs found: docs/scale-out.md.",
         "",
         *summary(docs),
         "",

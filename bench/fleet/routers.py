@@ -9,10 +9,12 @@
   queue is within `AFFINITY_SLACK` of the shortest (the balance guard of SGLang's cache-aware router and
   Ray's PrefixCacheAffinityRouter); otherwise, and for prompts without a shared prefix, `default`.
 - `headroom`: `engine/serving/ray_serve/headroom_policy.py`, the code the Ray deployment runs, over each
-  replica's published stats (every `STATS_PERIOD_S`, as the launcher polls) and its ledger: the least work
-  ahead among the replicas that can take the prompt now.
-- `headroom_p2c`: the same views, but power of two choices among those replicas (the rule before this
-  simulator: `choose_two(..., draw=2)`).
+  replica's published stats (every `STATS_PERIOD_S`, as the launcher polls), its ledger and the prefix homes:
+  the least work ahead among the replicas that can take the prompt now, where a chat's system prompt is not
+  work at the replica its tenant went to last (the replica has it cached).
+- `headroom_no_prefix`: the same without the prefix homes (the rule before the simulator found them).
+- `headroom_p2c`: that, but power of two choices among the replicas that can take the prompt (the rule before
+  this simulator: `choose_two(..., draw=2)`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from bench.fleet.load import FleetRequest
-from engine.serving.ray_serve.headroom_policy import Headroom, Ledger, choose_two
+from engine.serving.ray_serve.headroom_policy import Affinity, Headroom, Ledger, Prompt, choose_two
 
 AFFINITY_SLACK = 4  # ongoing requests a tenant's replica may have beyond the fleet's shortest queue
 
@@ -33,6 +35,7 @@ class Fleet(Protocol):
     ongoing: list[int]  # requests sent to each replica and not finished
     alive: list[bool]
     max_ongoing: int
+    system_tokens: int  # a tenant's shared system prompt
 
     def stats(self, replica: int) -> dict: ...
 
@@ -133,10 +136,12 @@ class HeadroomRouter(Router):
     name = "headroom"
     reads_stats = True
     draw = 0  # choose_two's: 0 = every replica that can take the prompt
+    affine = True  # a chat's system prompt counts as cached at the replica its tenant went to last
 
     def __init__(self, fleet: Fleet, rng: random.Random) -> None:
         super().__init__(fleet, rng)
         self.ledger = Ledger(clock=fleet.now)
+        self.affinity = Affinity()
         self.views = {i: self._view(i) for i in range(len(fleet.alive))}
 
     def _view(self, i: int) -> Headroom:
@@ -144,14 +149,21 @@ class HeadroomRouter(Router):
         view = Headroom.of(stats, self.ledger.routed_since(i, stats.get("published_at")))
         return view if self.fleet.alive[i] else Headroom(0, 0, 0, 0, healthy=False)
 
+    def _prompt(self, req: FleetRequest) -> Prompt:
+        if not self.affine:
+            return Prompt(req.prompt_tokens)
+        shared = min(self.fleet.system_tokens, req.prompt_tokens)
+        return self.affinity.prompt(req.prompt_tokens, _prefix(req), shared)
+
     def choose(self, req: FleetRequest) -> int | None:
-        for i in choose_two(self.views, req.prompt_tokens, self.rng, self.draw):
+        for i in choose_two(self.views, self._prompt(req), self.rng, self.draw):
             if self.open(i):
                 return i
         return None
 
     def routed(self, replica: int, req: FleetRequest) -> None:
-        self.ledger.add(replica, req.prompt_tokens)
+        self.ledger.add(replica, self._prompt(req).to_prefill(replica))
+        self.affinity.routed(_prefix(req), replica)
         self.views[replica] = self._view(replica)
 
     def published(self, replica: int) -> None:
@@ -159,14 +171,27 @@ class HeadroomRouter(Router):
 
     def replaced(self, replica: int) -> None:
         self.ledger.forget(replica)
+        self.affinity.forget(replica)
         self.views[replica] = self._view(replica)
 
 
-class HeadroomPowerOfTwo(HeadroomRouter):
+class HeadroomNoPrefix(HeadroomRouter):
+    name = "headroom_no_prefix"
+    affine = False
+
+
+class HeadroomPowerOfTwo(HeadroomNoPrefix):
     name = "headroom_p2c"
     draw = 2
 
 
+def _prefix(req: FleetRequest) -> int | None:
+    return req.tenant if req.tenant >= 0 else None
+
+
 ROUTERS: dict[str, Callable[[Fleet, random.Random], Router]] = {
-    r.name: r for r in (PowerOfTwo, RoundRobin, LeastOutstanding, PrefixAffinity, HeadroomPowerOfTwo, HeadroomRouter)
-}
+    r.name: r
+    for r in (
+        PowerOfTwo, RoundRobin, LeastOutstanding, PrefixAffinity, HeadroomPowerOfTwo, HeadroomNoPrefix, HeadroomRouter
+    )
+}  # fmt: skip

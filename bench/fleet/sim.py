@@ -69,6 +69,7 @@ class FleetSim:
         self.ongoing = [0] * replicas
         self.alive = [True] * replicas
         self.max_ongoing = MAX_ONGOING
+        self.system_tokens = scenario.system_tokens
         self.inflight = 0  # requests on replicas, fleet-wide
         self._now = 0.0
         self._events: list[tuple[float, int, int, int, int]] = []  # (t, kind, tie-break, replica, arg)

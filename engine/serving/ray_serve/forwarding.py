@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from engine.serving.errors import SERVER_ERROR, error_body
+from engine.serving.ray_serve.prompt_size import PromptSize
 
 logger = logging.getLogger("headroom.ray")
 
@@ -36,7 +37,7 @@ class ForwardedRequest:
     query_string: bytes
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
-    prompt_tokens: int  # the router reads this (prompt_size.prompt_tokens of the body)
+    prompt: PromptSize  # the router reads this (prompt_size.size_prompt of the body)
 
 
 async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Message]:

@@ -3,11 +3,13 @@
 Each replica publishes (`record_routing_stats`) what its controller measured: the prompt tokens memory and cap
 admit into its next step (`effective_prefill_tokens`), the prompt tokens already queued to prefill, its free KV
 blocks and its queue. Those stats are up to a stats period old, so the router adds what it has routed to the
-replica since (the `Ledger`). A replica can take a prompt now when the prompt's first step (the whole prompt,
-or the largest chunk its controller admits) fits beside what is queued ahead of it, and its free KV holds the
-prompt. Of those, the one with the fewest prompt tokens queued goes first (then the fewest requests); when none
-can, the same rule runs over all healthy replicas, so a request is never refused here (the replica's own admission
-decides). The fleet simulator (bench/fleet/, bench/results/fleet.md) chose this over power of two choices.
+replica since (the `Ledger`). A prompt's shared prefix (a chat's system turns: prompt_size) is likely cached
+where that prefix went last (the `Affinity`), so there it costs only its other tokens. A replica can take a
+prompt now when the prompt's first step (what it must prefill, or the largest chunk its controller admits) fits
+beside what is queued ahead of it, and its free KV holds it. Of those, the one with the fewest prompt tokens
+queued, this prompt's included, goes first (then the fewest requests); when none can, the same rule runs over all
+healthy replicas, so a request is never refused here (the replica's own admission decides). The fleet simulator
+(bench/fleet/, bench/results/fleet.md) chose this over power of two choices, and the prefix homes over none.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -27,6 +29,7 @@ K = TypeVar("K", bound=Hashable)
 LEDGER_SLACK_S = 0.25  # a routed request counts until stats published this long after it was routed
 LEDGER_MAX_AGE_S = 30.0  # and never longer (a replica that stopped publishing)
 UNKNOWN_STEP_TOKENS = 2048  # a replica that has not published yet: assumed prompt tokens per step
+AFFINITY_PREFIXES = 100_000  # prefixes remembered (least recently routed forgotten first)
 
 
 def routing_stats(
@@ -80,29 +83,70 @@ class Headroom:
         )
 
 
-def work_ahead(view: Headroom) -> tuple[bool, int, int]:
-    """Prompt tokens queued ahead, not steps: the adaptive controller's prefill cap grows with the prompts a
-    replica has seen, so dividing by it would pull long prompts to the replica that took the last one."""
-    return (not view.healthy, view.queued_tokens, view.queue_len)
+@dataclass(frozen=True)
+class Prompt:
+    """What the router knows of a request before any replica tokenizes it. `home`: the replica its prefix
+    went to last (`Affinity`), where that prefix's KV blocks are likely cached, so `cached_tokens` of it need
+    no prefill there."""
+
+    tokens: int
+    home: Hashable | None = None
+    cached_tokens: int = 0
+
+    def to_prefill(self, replica: Hashable) -> int:
+        return self.tokens - self.cached_tokens if replica == self.home else self.tokens
 
 
-def choose_two(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random, draw: int = 0) -> list[K]:
+def work_ahead(view: Headroom, prefill: int) -> tuple[bool, int, int]:
+    """Prompt tokens queued ahead, with this prompt's own, not steps: the adaptive controller's prefill cap grows
+    with the prompts a replica has seen, so dividing by it would pull long prompts to the replica that took the
+    last one."""
+    return (not view.healthy, view.queued_tokens + prefill, view.queue_len)
+
+
+def choose_two(views: Mapping[K, Headroom], prompt: Prompt, rng: random.Random, draw: int = 0) -> list[K]:
     """The two replicas with the least work ahead among those that can take the prompt now (among all healthy
     when none can), ties broken at random. The ledger adds a routed prompt to its replica's work at once, so a
     burst within one stats period spreads instead of herding onto one replica. `draw` > 0 first draws that many
     at random (power of d choices, the rule before the fleet simulator compared them: bench/fleet/)."""
-    able = [k for k, v in views.items() if v.can_take(prompt_tokens)]
+    able = [k for k, v in views.items() if v.can_take(prompt.to_prefill(k))]
     pool = able or [k for k, v in views.items() if v.healthy] or list(views)
     if draw:
         pool = rng.sample(pool, min(draw, len(pool)))
-    return heapq.nsmallest(2, pool, key=lambda k: (work_ahead(views[k]), rng.random()))
+    return heapq.nsmallest(2, pool, key=lambda k: (work_ahead(views[k], prompt.to_prefill(k)), rng.random()))
 
 
-def rank(views: Mapping[K, Headroom], prompt_tokens: int, rng: random.Random) -> list[K]:
+def rank(views: Mapping[K, Headroom], prompt: Prompt, rng: random.Random) -> list[K]:
     """Replica keys best first: `choose_two`, then the rest by work ahead (Ray tries them in order if a queue
     is full)."""
-    first = choose_two(views, prompt_tokens, rng)
-    return first + sorted((k for k in views if k not in first), key=lambda k: work_ahead(views[k]))
+    first = choose_two(views, prompt, rng)
+    rest = (k for k in views if k not in first)
+    return first + sorted(rest, key=lambda k: work_ahead(views[k], prompt.to_prefill(k)))
+
+
+class Affinity:
+    """The replica each prompt prefix went to last (where its blocks were used most recently, so the least likely
+    evicted), for the `AFFINITY_PREFIXES` most recently routed prefixes."""
+
+    def __init__(self) -> None:
+        self._home: OrderedDict[Hashable, Hashable] = OrderedDict()
+
+    def prompt(self, tokens: int, prefix: Hashable | None, prefix_tokens: int) -> Prompt:
+        """`prefix`: a key of the prompt's first `prefix_tokens` tokens (None: none worth caching)."""
+        home = self._home.get(prefix) if prefix is not None else None
+        return Prompt(tokens, home, prefix_tokens if home is not None else 0)
+
+    def routed(self, prefix: Hashable | None, replica: Hashable) -> None:
+        if prefix is None:
+            return
+        self._home[prefix] = replica
+        self._home.move_to_end(prefix)
+        if len(self._home) > AFFINITY_PREFIXES:
+            self._home.popitem(last=False)
+
+    def forget(self, replica: Hashable) -> None:
+        for prefix in [p for p, r in self._home.items() if r == replica]:
+            del self._home[prefix]
 
 
 class Ledger:

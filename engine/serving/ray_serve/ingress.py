@@ -14,7 +14,7 @@ from engine.serving.health_routes import METRICS_CONTENT_TYPE
 from engine.serving.ray_serve.fleet_metrics import merge_expositions
 from engine.serving.ray_serve.forwarding import ForwardedRequest, relay
 from engine.serving.ray_serve.metrics_board import metrics_board
-from engine.serving.ray_serve.prompt_size import prompt_tokens
+from engine.serving.ray_serve.prompt_size import size_prompt
 
 RETRYABLE = (RayActorError, ActorUnavailableError)  # the replica died or cannot be reached
 
@@ -31,7 +31,7 @@ class Ingress:
         scope = request.scope
         forwarded = ForwardedRequest(
             request.method, scope["path"], scope["query_string"], tuple(map(tuple, scope["headers"])), body,
-            prompt_tokens(body),
+            size_prompt(body),
         )  # fmt: skip
         return await relay(self._engine.handle.remote(forwarded), RETRYABLE)
 

@@ -23,12 +23,13 @@ from engine.serving.launch import build_app
 from engine.serving.ray_serve.forwarding import ForwardedRequest, call_app
 from engine.serving.ray_serve.headroom_policy import routing_stats
 from engine.serving.ray_serve.metrics_board import metrics_board
+from engine.serving.ray_serve.prompt_size import PromptSize
 
 logger = logging.getLogger("headroom.ray")
 
 METRICS_PUSH_S = 1.0
 REPLICA_HEADER = b"x-headroom-replica"
-_METRICS = ForwardedRequest("GET", "/metrics", b"", (), b"", 0)
+_METRICS = ForwardedRequest("GET", "/metrics", b"", (), b"", PromptSize(0))
 
 
 class EngineReplica:

@@ -12,39 +12,47 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engine.serving.ray_serve.headroom_policy import Headroom, Ledger, rank
+from engine.serving.ray_serve.headroom_policy import Affinity, Headroom, Ledger, Prompt, rank
+from engine.serving.ray_serve.prompt_size import PromptSize
 
 
-def _prompt_tokens(request: PendingRequest | None) -> int:
+def _size(request: PendingRequest | None) -> PromptSize:
     if request is None or not request.args:
-        return 0
-    return int(getattr(request.args[0], "prompt_tokens", 0))
+        return PromptSize(0)
+    return getattr(request.args[0], "prompt", None) or PromptSize(0)
 
 
 class HeadroomRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._ledger = Ledger()
+        self._affinity = Affinity()
         self._rng = random.Random()
+
+    def _prompt(self, request: PendingRequest | None) -> Prompt:
+        size = _size(request)
+        return self._affinity.prompt(size.tokens, size.prefix, size.prefix_tokens)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        prompt = _prompt_tokens(pending_request)
         by_id = {r.replica_id: r for r in candidate_replicas}
         views = {
             rid: Headroom.of(r.routing_stats, self._ledger.routed_since(rid, r.routing_stats.get("published_at")))
             for rid, r in by_id.items()
         }
-        return [[by_id[rid]] for rid in rank(views, prompt, self._rng)]
+        return [[by_id[rid]] for rid in rank(views, self._prompt(pending_request), self._rng)]
 
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False) -> Any:
         """Ray's choice (FIFO: it may serve an older request with the replica chosen for this one), entered in
-        the ledger with the prompt of the request it serves. Ray reports a routed request to
-        `on_request_routed` only when replicas may reject, so the ledger hooks in here."""
+        the ledger and the prefix homes with the prompt of the request it serves. Ray reports a routed request
+        to `on_request_routed` only when replicas may reject, so they hook in here."""
         replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
-        self._ledger.add(replica.replica_id, _prompt_tokens(pending_request))
+        rid = replica.replica_id
+        self._ledger.add(rid, self._prompt(pending_request).to_prefill(rid))
+        self._affinity.routed(_size(pending_request).prefix, rid)
         return replica
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._ledger.forget(replica_id)
+        self._affinity.forget(replica_id)
