@@ -57,6 +57,7 @@ FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what t
     (256, "near", 0, 10, "round_robin,least_outstanding,prefix_affinity,headroom_p2c", "others"),
     (256, "above", 0, 2, "headroom", "headroom"), (256, "above", 2, 8, "default,headroom", ""),
     (1000, "near", 0, 2, "headroom", "headroom"), (1000, "near", 1, 1, "default", ""),
+    (1000, "near", 2, 2, "default,headroom", ""),
     (1000, "above", 0, 1, "headroom", "headroom"),
 )  # fmt: skip
 FLEET_JSONS = tuple(
@@ -73,7 +74,7 @@ def _fleet_runs() -> Experiment:
         + f" --routers {routers} --jobs 2 --out {{out}}/{name}"
         for (n, load, first, seeds, routers, _), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
     )
-    return Experiment("fleet", runs, FLEET_JSONS, "twin", 13200, "slow")
+    return Experiment("fleet", runs, FLEET_JSONS, "twin", 14300, "slow")
 
 
 def _fleet_report() -> Experiment:

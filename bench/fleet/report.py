@@ -120,7 +120,7 @@ def table(doc: dict) -> list[str]:
     lines = [
         f"### {doc['replicas']} replicas, load {doc['load']} ({doc['scenario']['rate_per_replica']} req/s per "
         f"replica; capacity {doc['capacity_req_per_s_per_replica']}), seeds {_seeds(doc['seeds'])}, wall "
-        f"{doc['wall_s']} s (its commands', each with its --jobs)",
+        f"{doc['wall_s']} s (summed over its commands)",
         "",
         "| router | seeds | TTFT p50 ms | TTFT p99 ms | chat p99 ms | long p99 ms | output tok/s | preemptions "
         "| OOMs | failed |",
