@@ -111,10 +111,10 @@ class PrefixAffinity(PowerOfTwo):
 
     def __init__(self, fleet: Fleet, rng: random.Random) -> None:
         super().__init__(fleet, rng)
-        self.owner: dict[int, int] = {}
+        self.affinity = Affinity()
 
     def choose(self, req: FleetRequest) -> int | None:
-        home = self.owner.get(req.tenant)
+        home = self.affinity.home(_prefix(req))
         if home is not None and self.open(home):
             shortest = min(q for q, up in zip(self.fleet.ongoing, self.fleet.alive, strict=True) if up)
             if self.fleet.ongoing[home] - shortest <= AFFINITY_SLACK:
@@ -122,11 +122,10 @@ class PrefixAffinity(PowerOfTwo):
         return super().choose(req)
 
     def routed(self, replica: int, req: FleetRequest) -> None:
-        if req.tenant >= 0:
-            self.owner[req.tenant] = replica
+        self.affinity.routed(_prefix(req), replica)
 
     def replaced(self, replica: int) -> None:
-        self.owner = {t: r for t, r in self.owner.items() if r != replica}
+        self.affinity.forget(replica)
 
 
 class HeadroomRouter(Router):

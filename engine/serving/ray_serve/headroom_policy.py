@@ -131,9 +131,12 @@ class Affinity:
     def __init__(self) -> None:
         self._home: OrderedDict[Hashable, Hashable] = OrderedDict()
 
+    def home(self, prefix: Hashable | None) -> Hashable | None:
+        return self._home.get(prefix) if prefix is not None else None
+
     def prompt(self, tokens: int, prefix: Hashable | None, prefix_tokens: int) -> Prompt:
         """`prefix`: a key of the prompt's first `prefix_tokens` tokens (None: none worth caching)."""
-        home = self._home.get(prefix) if prefix is not None else None
+        home = self.home(prefix)
         return Prompt(tokens, home, prefix_tokens if home is not None else 0)
 
     def routed(self, prefix: Hashable | None, replica: Hashable) -> None:
