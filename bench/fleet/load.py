@@ -51,9 +51,18 @@ class FleetRequest:
     def prompt_ids(self, system_tokens: int) -> list[int]:
         """Built when routed (a run holds ~1e5 requests): the tenant's system prompt, then ids unique to it."""
         shared = min(system_tokens, self.prompt_tokens) if self.tenant >= 0 else 0
-        head = [1 + (self.tenant * 104_729 + j) % PROMPT_VOCAB for j in range(shared)]
-        base = 7_919 * (self.index + 1)
-        return head + [1 + (base + j) % PROMPT_VOCAB for j in range(self.prompt_tokens - shared)]
+        return _filler(self.tenant * 104_729, shared) + _filler(7_919 * (self.index + 1), self.prompt_tokens - shared)
+
+
+def _filler(start: int, n: int) -> list[int]:
+    """Ids 1 + (start + j) % PROMPT_VOCAB for j < n, built from ranges (a run routes ~1e5 prompts)."""
+    ids: list[int] = []
+    first = start % PROMPT_VOCAB
+    while n > 0:
+        k = min(n, PROMPT_VOCAB - first)
+        ids.extend(range(first + 1, first + 1 + k))
+        n, first = n - k, 0
+    return ids
 
 
 def _lognormal(rng: random.Random, median: int, lo: int, hi: int) -> int:

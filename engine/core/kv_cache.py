@@ -90,6 +90,8 @@ class BlockAllocator:
         hits = hits or []
         end = seq.num_computed + len(hits) * self.block_size + num_new_tokens
         need = max(0, self.blocks_for(end) - len(seq.block_table) - len(hits))
+        if not need and not hits:  # most decodes: the slot is in the table's last block
+            return []
         if need > self.num_free - self.num_evictable(hits):
             return None
         if hits:

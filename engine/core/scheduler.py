@@ -109,9 +109,9 @@ class Scheduler:
         """Blocks the queued work needs for the tokens it already has: the rest of each running sequence's
         known tokens (a chunked prefill or recompute in progress, the next decode's slot) and each waiting
         sequence's prompt (and output, when preempted). Free blocks beyond these are spare."""
-        blocks_for = self.allocator.blocks_for
-        running = sum(max(0, blocks_for(s.num_tokens) - len(s.block_table)) for s in self.running)
-        return running + sum(blocks_for(s.num_tokens) for s in self.waiting)
+        bs = self.allocator.block_size  # blocks_for written out: this runs every step over every sequence
+        running = sum(max(0, -(-s.num_tokens // bs) - len(s.block_table)) for s in self.running)
+        return running + sum(-(-s.num_tokens // bs) for s in self.waiting)
 
     def preempt_newest(self, max_used: int) -> list[Sequence]:
         """Preempt running sequences by recompute, newest first, until at most `max_used` blocks are in use;
@@ -171,10 +171,12 @@ class Scheduler:
         return False
 
     def _schedule_prefills(self, lim: Limits, packer: Packer, out: SchedulerOutput) -> None:
-        partial = [s for s in self.running if not s.is_decode]  # chunked prefills in progress go first
+        queue = [s for s in self.running if not s.is_decode] + list(self.waiting)  # chunked prefills first
+        if not queue:
+            return
         outstanding = sum(self._reserved_blocks(s, lim) for s in self.running)
         alloc = self.allocator
-        for seq in partial + list(self.waiting):
+        for seq in queue:
             admitting = seq.status is Status.WAITING
             if out.shape.prefill_seqs >= lim.max_prefill_seqs:
                 break

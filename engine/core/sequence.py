@@ -78,7 +78,8 @@ class Sequence:
     def is_decode(self) -> bool:
         """True when only the last sampled token is missing from KV; otherwise the sequence prefills
         (its prompt, or prompt and output again after preemption by recompute)."""
-        return bool(self.output_ids) and self.num_tokens - self.num_computed == 1
+        n_out = len(self.output_ids)  # num_tokens written out: the scheduler asks this of every sequence each step
+        return n_out > 0 and len(self.prompt_ids) + n_out - self.num_computed == 1
 
     @property
     def remaining_new_tokens(self) -> int:
