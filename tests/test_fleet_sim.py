@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bench.fleet.command import PER_SEED, engine_config, summarize
-from bench.fleet.load import FleetRequest, Scenario, generate
+from bench.fleet.load import PROMPT_VOCAB, FleetRequest, Scenario, generate
 from bench.fleet.routers import ROUTERS, HeadroomNoPrefix, HeadroomRouter, PowerOfTwo
 from bench.fleet.sim import STATS_PERIOD_S, Faults, FleetSim
 from engine.serving.ray_serve.headroom_policy import Headroom, Prompt
@@ -42,6 +42,12 @@ def test_chats_of_a_tenant_share_their_system_prompt_and_nothing_else() -> None:
     assert len(ids_a) == 600 and ids_a[:512] == ids_b[:512] and ids_a[512:] != ids_b[512:]
     long = FleetRequest(3, 0.0, "long", 8192, 16, -1).prompt_ids(512)
     assert len(long) == 8192 and long[:512] != ids_a[:512]
+
+
+def test_filler_ids_are_the_modular_run_and_wrap_below_the_vocabulary() -> None:
+    ids = FleetRequest(12, 0.0, "long", 250_000, 16, -1).prompt_ids(512)  # past PROMPT_VOCAB: wraps twice
+    assert ids == [1 + (7_919 * 13 + j) % PROMPT_VOCAB for j in range(250_000)]
+    assert min(ids) == 1 and max(ids) == PROMPT_VOCAB
 
 
 @pytest.mark.parametrize("router", list(ROUTERS))
