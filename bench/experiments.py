@@ -41,7 +41,7 @@ class Experiment:
 
 
 _BEFORE_PREFIX = "default,round_robin,least_outstanding,prefix_affinity,headroom_p2c,headroom_no_prefix"
-FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what two sessions' two cores could run
+FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what three sessions' two cores could run
     (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 0, 10, _BEFORE_PREFIX, ""), (16, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 100, 10, "default,headroom_p2c,headroom_no_prefix", ""),
@@ -59,6 +59,12 @@ FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what t
     (1000, "near", 0, 2, "headroom", "headroom"), (1000, "near", 1, 1, "default", ""),
     (1000, "near", 2, 2, "default,headroom", ""),
     (1000, "above", 0, 1, "headroom", "headroom"),
+    # a third session's, on a faster engine step (the same results: bench/results/fleet.md)
+    (256, "above", 0, 10, "round_robin,least_outstanding,prefix_affinity,headroom_p2c", "others"),
+    (1000, "near", 4, 3, "default,headroom", ""), (1000, "near", 7, 3, "default,headroom", ""),
+    (1000, "above", 1, 2, "default,headroom", ""), (1000, "above", 3, 2, "default,headroom", ""),
+    (1000, "above", 5, 1, "default,headroom", ""), (1000, "above", 6, 1, "default,headroom", ""),
+    (1000, "above", 7, 1, "default,headroom", ""),
 )  # fmt: skip
 FLEET_JSONS = tuple(
     f"fleet/{n}_{load}" + (f"_seed{first}" if first else "") + (f"_{tag}" if tag else "") + ".json"
@@ -74,7 +80,7 @@ def _fleet_runs() -> Experiment:
         + f" --routers {routers} --jobs 2 --out {{out}}/{name}"
         for (n, load, first, seeds, routers, _), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
     )
-    return Experiment("fleet", runs, FLEET_JSONS, "twin", 14300, "slow")
+    return Experiment("fleet", runs, FLEET_JSONS, "twin", 29200, "slow")
 
 
 def _fleet_report() -> Experiment:
