@@ -109,9 +109,9 @@ class Scheduler:
         """Blocks the queued work needs for the tokens it already has: the rest of each running sequence's
         known tokens (a chunked prefill or recompute in progress, the next decode's slot) and each waiting
         sequence's prompt (and output, when preempted). Free blocks beyond these are spare."""
-        bs = self.allocator.block_size  # blocks_for written out: this runs every step over every sequence
-        running = sum(max(0, -(-s.num_tokens // bs) - len(s.block_table)) for s in self.running)
-        return running + sum(-(-s.num_tokens // bs) for s in self.waiting)
+        blocks_for = self.allocator.blocks_for
+        running = sum(max(0, blocks_for(s.num_tokens) - len(s.block_table)) for s in self.running)
+        return running + sum(blocks_for(s.num_tokens) for s in self.waiting)
 
     def preempt_newest(self, max_used: int) -> list[Sequence]:
         """Preempt running sequences by recompute, newest first, until at most `max_used` blocks are in use;
