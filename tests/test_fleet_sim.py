@@ -4,6 +4,7 @@ they should, and the routers follow their rules."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import random
 import subprocess
@@ -58,6 +59,20 @@ def test_every_router_is_deterministic_and_accounts_for_every_request(router: st
     assert len(first.finished) + sum(first.failed.values()) == sent
     assert first.failed["replica_died"] > 0 and len(first.finished) > 0.5 * sent
     assert all(f.ttft > 0 for f in first.finished)
+
+
+def test_a_run_collects_cycles_rarely_and_restores_the_collector_after(monkeypatch) -> None:
+    seen = []
+
+    class Probe(PowerOfTwo):
+        def choose(self, req: FleetRequest) -> int | None:
+            seen.append(gc.get_threshold())
+            return super().choose(req)
+
+    monkeypatch.setitem(ROUTERS, "probe", Probe)
+    before = gc.get_threshold()
+    run("probe")
+    assert seen and all(t[0] == 100_000 for t in seen) and gc.get_threshold() == before
 
 
 def test_a_replica_that_dies_loses_what_it_held_and_comes_back() -> None:

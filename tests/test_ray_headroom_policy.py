@@ -81,6 +81,12 @@ def test_the_least_loaded_able_replica_goes_first_and_power_of_two_remains_as_a_
     assert firsts["r0"] > firsts["r1"] > firsts["r2"] > 0
 
 
+def test_equal_work_ahead_is_a_random_tie_not_the_first_replica() -> None:
+    views = {f"r{i}": Headroom.of(stats(queued=100)) for i in range(4)}
+    firsts = Counter(choose_two(views, Prompt(100), random.Random(seed))[0] for seed in range(200))
+    assert set(firsts) == set(views) and min(firsts.values()) > 20
+
+
 def test_a_burst_within_one_stats_period_spreads_through_the_ledger() -> None:
     """Stats published once; eight prompts routed one after another each see what the ones before them added."""
     published = {f"r{i}": stats(queued=0) for i in range(4)}
