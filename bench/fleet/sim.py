@@ -225,8 +225,9 @@ class FleetSim:
 @contextmanager
 def _rare_collections() -> Iterator[None]:
     """A run makes ~1e8 short-lived objects beside the fleet's long-lived ones, so at the default threshold (700
-    allocations) the cycle collector ran ~5,600 times, 21 of them over the whole heap: 12 % of a 1,000-replica
-    run (measured with gc.callbacks, 5 s of arrivals). Little of what a step makes is cyclic."""
+    allocations) the cycle collector ran ~5,600 times in a 1,000-replica run with 5 s of arrivals, 21 of them
+    over the whole heap. Little of what a step makes is cyclic. With `choose_two`'s one pass: 1,000 replicas above
+    capacity, `headroom`, seed 0, 499 -> 473 s side by side with the code before (the same results)."""
     before = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)
     try:
