@@ -41,7 +41,11 @@ class Experiment:
 
 
 _BEFORE_PREFIX = "default,round_robin,least_outstanding,prefix_affinity,headroom_p2c,headroom_no_prefix"
-FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what three sessions' two cores could run
+_OTHERS = ("round_robin", "least_outstanding", "prefix_affinity", "headroom_p2c", "headroom_no_prefix")
+# A fourth session's runs at 1,000 replicas, one JSON per router and seed (a run cut short loses less):
+# (load, seed, routers).
+_ONE_BY_ONE = (("near", 1, _OTHERS), ("above", 0, _OTHERS[:1]))
+FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what four sessions' two cores could run
     (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 0, 10, _BEFORE_PREFIX, ""), (16, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 100, 10, "default,headroom_p2c,headroom_no_prefix", ""),
@@ -65,6 +69,10 @@ FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what t
     (1000, "above", 1, 2, "default,headroom", ""), (1000, "above", 3, 2, "default,headroom", ""),
     (1000, "above", 5, 1, "default,headroom", ""), (1000, "above", 6, 1, "default,headroom", ""),
     (1000, "above", 7, 1, "default,headroom", ""),
+    # a fourth session's, on a faster simulator from e5c72a3 (the same results)
+    (256, "above", 2, 8, "headroom_no_prefix", "no_prefix"), (1000, "above", 8, 2, "default,headroom", ""),
+    (1000, "near", 0, 1, ",".join(_OTHERS[:4]), "others"),
+    *((1000, load, seed, 1, r, r) for load, seed, routers in _ONE_BY_ONE for r in routers),
 )  # fmt: skip
 FLEET_JSONS = tuple(
     f"fleet/{n}_{load}" + (f"_seed{first}" if first else "") + (f"_{tag}" if tag else "") + ".json"
