@@ -44,7 +44,10 @@ _BEFORE_PREFIX = "default,round_robin,least_outstanding,prefix_affinity,headroom
 _OTHERS = ("round_robin", "least_outstanding", "prefix_affinity", "headroom_p2c", "headroom_no_prefix")
 # A fourth session's runs at 1,000 replicas, one JSON per router and seed (a run cut short loses less):
 # (load, seed, routers).
-_ONE_BY_ONE = (("near", 1, _OTHERS), ("above", 0, _OTHERS[:1]))
+_ONE_BY_ONE = (
+    ("near", 1, _OTHERS), ("near", 2, _OTHERS), ("near", 3, _OTHERS), ("near", 4, _OTHERS[:3]),
+    ("above", 0, _OTHERS[:4]), ("above", 1, _OTHERS), ("above", 2, _OTHERS[:2]),
+)  # fmt: skip
 FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what four sessions' two cores could run
     (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 0, 10, _BEFORE_PREFIX, ""), (16, "above", 0, 10, _BEFORE_PREFIX, ""),
@@ -88,7 +91,7 @@ def _fleet_runs() -> Experiment:
         + f" --routers {routers} --jobs 2 --out {{out}}/{name}"
         for (n, load, first, seeds, routers, _), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
     )
-    return Experiment("fleet", runs, FLEET_JSONS, "twin", 29200, "slow")
+    return Experiment("fleet", runs, FLEET_JSONS, "twin", 44300, "slow")
 
 
 def _fleet_report() -> Experiment:
