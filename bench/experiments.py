@@ -72,7 +72,8 @@ FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what f
     (1000, "above", 1, 2, "default,headroom", ""), (1000, "above", 3, 2, "default,headroom", ""),
     (1000, "above", 5, 1, "default,headroom", ""), (1000, "above", 6, 1, "default,headroom", ""),
     (1000, "above", 7, 1, "default,headroom", ""),
-    # a fourth session's, on a faster simulator from e5c72a3 (the same results)
+    # a fourth session's: the first three at 8abf877, the rest on the faster simulator of e5c72a3 (the same
+    # results; each JSON names its commit)
     (256, "above", 2, 8, "headroom_no_prefix", "no_prefix"), (1000, "above", 8, 2, "default,headroom", ""),
     (1000, "near", 0, 1, ",".join(_OTHERS[:4]), "others"),
     *((1000, load, seed, 1, r, r) for load, seed, routers in _ONE_BY_ONE for r in routers),
