@@ -42,13 +42,18 @@ class Experiment:
 
 _BEFORE_PREFIX = "default,round_robin,least_outstanding,prefix_affinity,headroom_p2c,headroom_no_prefix"
 _OTHERS = ("round_robin", "least_outstanding", "prefix_affinity", "headroom_p2c", "headroom_no_prefix")
-# A fourth session's runs at 1,000 replicas, one JSON per router and seed (a run cut short loses less):
+# The fourth and fifth sessions' runs at 1,000 replicas, one JSON per router and seed (a run cut short loses less):
 # (load, seed, routers).
 _ONE_BY_ONE = (
     ("near", 1, _OTHERS), ("near", 2, _OTHERS), ("near", 3, _OTHERS), ("near", 4, _OTHERS[:3]),
     ("above", 0, _OTHERS[:4]), ("above", 1, _OTHERS), ("above", 2, _OTHERS[:2]),
+    # a fifth session's, at 7f61685
+    ("near", 4, _OTHERS[3:]), *(("near", seed, _OTHERS) for seed in range(5, 10)),
+    *(("above", seed, _OTHERS[:2]) for seed in range(3, 10)),
+    *(("above", seed, (_OTHERS[2],)) for seed in range(2, 9)),
+    *(("above", seed, (_OTHERS[3],)) for seed in range(2, 8)),
 )  # fmt: skip
-FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what four sessions' two cores could run
+FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what five sessions' two cores could run
     (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 0, 10, _BEFORE_PREFIX, ""), (16, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 100, 10, "default,headroom_p2c,headroom_no_prefix", ""),
@@ -92,7 +97,7 @@ def _fleet_runs() -> Experiment:
         + f" --routers {routers} --jobs 2 --out {{out}}/{name}"
         for (n, load, first, seeds, routers, _), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
     )
-    return Experiment("fleet", runs, FLEET_JSONS, "twin", 44300, "slow")
+    return Experiment("fleet", runs, FLEET_JSONS, "twin", 60500, "slow")
 
 
 def _fleet_report() -> Experiment:
