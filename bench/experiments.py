@@ -49,9 +49,7 @@ _ONE_BY_ONE = (
     ("above", 0, _OTHERS[:4]), ("above", 1, _OTHERS), ("above", 2, _OTHERS[:2]),
     # a fifth session's, at 7f61685 (prefix_affinity above seed 9 and headroom_p2c seed 8: f3875e2, the same code)
     ("near", 4, _OTHERS[3:]), *(("near", seed, _OTHERS) for seed in range(5, 10)),
-    *(("above", seed, _OTHERS[:2]) for seed in range(3, 10)),
-    *(("above", seed, (_OTHERS[2],)) for seed in range(2, 10)),
-    *(("above", seed, (_OTHERS[3],)) for seed in range(2, 9)),
+    ("above", 2, _OTHERS[2:4]), *(("above", seed, _OTHERS[:4]) for seed in range(3, 9)), ("above", 9, _OTHERS[:3]),
 )  # fmt: skip
 FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what five sessions' two cores could run
     (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
