@@ -42,7 +42,7 @@ class Experiment:
 
 _BEFORE_PREFIX = "default,round_robin,least_outstanding,prefix_affinity,headroom_p2c,headroom_no_prefix"
 _OTHERS = ("round_robin", "least_outstanding", "prefix_affinity", "headroom_p2c", "headroom_no_prefix")
-# The fourth and fifth sessions' runs at 1,000 replicas, one JSON per router and seed (a run cut short loses less):
+# The fourth to sixth sessions' runs at 1,000 replicas, one JSON per router and seed (a run cut short loses less):
 # (load, seed, routers).
 _ONE_BY_ONE = (
     ("near", 1, _OTHERS), ("near", 2, _OTHERS), ("near", 3, _OTHERS), ("near", 4, _OTHERS[:3]),
@@ -50,8 +50,10 @@ _ONE_BY_ONE = (
     # a fifth session's, at 7f61685 (prefix_affinity above seed 9 and headroom_p2c seed 8: f3875e2, the same code)
     ("near", 4, _OTHERS[3:]), *(("near", seed, _OTHERS) for seed in range(5, 10)),
     ("above", 2, _OTHERS[2:4]), *(("above", seed, _OTHERS[:4]) for seed in range(3, 9)), ("above", 9, _OTHERS[:3]),
+    # a sixth session's, at 0067e47 (the same simulator code)
+    ("above", 9, _OTHERS[3:4]), *(("above", seed, _OTHERS[4:]) for seed in range(2, 10)),
 )  # fmt: skip
-FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what five sessions' two cores could run
+FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what six sessions' two cores ran
     (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 0, 10, _BEFORE_PREFIX, ""), (16, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 100, 10, "default,headroom_p2c,headroom_no_prefix", ""),
@@ -95,7 +97,7 @@ def _fleet_runs() -> Experiment:
         + f" --routers {routers} --jobs 2 --out {{out}}/{name}"
         for (n, load, first, seeds, routers, _), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
     )
-    return Experiment("fleet", runs, FLEET_JSONS, "twin", 60500, "slow")
+    return Experiment("fleet", runs, FLEET_JSONS, "twin", 64900, "slow")
 
 
 def _fleet_report() -> Experiment:
