@@ -1,33 +1,42 @@
 #!/usr/bin/env bash
-# The device check for a lent GPU: at most 8 minutes (the timeouts below add up to 475 s with their kill grace),
-# nothing downloaded (the model is random weights in Llama-3.1-8B's shape):
-#   1. the CUDA-marked tests, from the files that hold them (the others need the server's packages), <= 110 s;
-#   2. python -m bench.device_check (bench/device_check.py says what it checks), <= 300 s.
+# The device check for a lent GPU, in one call of at most 8 minutes (the limits below add up to 480 s with their
+# kill grace), offline: nothing is downloaded, the model is random weights in Llama-3.1-8B's shape.
+#   0. the wheels in .whl/ (bash scripts/device_wheels.sh makes them; the device call carries them), installed
+#      with --no-index and nothing else: what the machine's image lacks;
+#   1. the suite's CUDA-marked tests, from the files that hold them, <= 120 s, with pytest's JUnit report;
+#   2. python -m bench.device_check (bench/device_check.py says what it checks), <= 300 s, which turns that report
+#      into rows (PASS, FAIL, or NOT RUN with its reason: a test skipped on a GPU proved nothing) and runs its
+#      checks after them.
 # Report: bench/results/device_check.md and .json, copied to $OUT when it is set (the device tool brings back only
-# what is there), beside the CUDA tests' log. Exits 1 when a test or a check fails; extra arguments go to step 2
-# (e.g. --only oom_recovery).
-# Setup: the repo's .venv where there is one, else python3. Missing packages are installed only if pip's registry
-# answers within 30 s (a lent machine may have no network); flash-attn never is (it builds for an hour), and
-# without it the CUDA-graph and flash checks report themselves skipped.
+# what is there), beside the tests' log and report. Exits 1 when a test or a check fails.
+# `--cpu`: the default suite's smoke run (tests/test_device_check.py): the same steps on the CPU with a tiny model,
+# where the CUDA tests are NOT RUN and the checks run down to their first CUDA call. Other arguments go to step 2
+# (e.g. --only oom_recovery, --out FILE).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-LOG=${OUT:-${TMPDIR:-/tmp}}/device_check_cuda_tests.txt
-mkdir -p "$(dirname "$LOG")"
+MODE=(--device cuda)
+if [ "${1:-}" = "--cpu" ]; then
+    MODE=(--device cpu --tiny)
+    shift
+fi
+WORK=${OUT:-$(mktemp -d)}
+mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1
-if ! "$PY" -c "import pytest, gguf, pynvml" 2>/dev/null; then
-    timeout 30 "$PY" -m pip install -q --retries 0 --timeout 5 pytest gguf nvidia-ml-py \
-        || echo "device_check: could not install pytest, gguf and nvidia-ml-py; going on without"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    SITE=$(mktemp -d)
+    timeout 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+        --target "$SITE" .whl/*.whl || { echo "device_check: the wheels in .whl/ did not install"; exit 1; }
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+elif [ "${MODE[1]}" = cuda ]; then
+    echo "device_check: no .whl/ (bash scripts/device_wheels.sh makes it); going on with what is installed"
 fi
-timeout 15 "$PY" -c "import torch, importlib.util as u; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-  torch.cuda.get_device_name() if torch.cuda.is_available() else '-', 'flash_attn', u.find_spec('flash_attn') is not None)"
-status=0
+timeout 20 "$PY" -c "import torch; print('device_check:', torch.__version__, 'CUDA', torch.version.cuda,
+  torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 mapfile -t cuda_tests < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-timeout -k 10 110 "$PY" -m pytest -m cuda -q -p no:cacheprovider "${cuda_tests[@]}" 2>&1 | tee "$LOG"
-if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-    status=1
-    echo "device_check: the CUDA-marked tests failed or could not run; log: $LOG"
-fi
-timeout -k 10 300 "$PY" -m bench.device_check --device cuda "$@" || status=1
-exit $status
+timeout -k 10 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml "$WORK/cuda_tests.xml" \
+    "${cuda_tests[@]}" 2>&1 | tee "$WORK/device_check_cuda_tests.txt"
+tests_exit=${PIPESTATUS[0]}
+timeout -k 10 300 "$PY" -m bench.device_check "${MODE[@]}" --cuda-tests "$WORK/cuda_tests.xml" \
+    --cuda-tests-exit "$tests_exit" "$@"

@@ -4,7 +4,8 @@ compares.
 
 kind: "twin" results are deterministic (virtual time: the same code gives the same numbers, every field
 but the wall time); "cpu" results are wall time on this machine (regenerate them on a quiet one only);
-"notes" are written by hand from runs they name (nothing to re-run).
+"notes" are written by hand from runs they name (nothing to re-run); "gpu" results are checks and wall time on
+a lent GPU (the device tool's), made where one is: `all` leaves them out.
 suite: where tests/test_bench_reproduce.py re-runs a twin experiment: "default" (fast), "slow" (behind
 the `slow` marker), or "" for cpu and notes entries. seconds: one run on 2 shared cores, measured.
 {out} in a command is bench/results (or --check's temp dir); inputs read from bench/results stay there.
@@ -22,7 +23,7 @@ class Experiment:
     name: str
     commands: tuple[str, ...]  # as typed from the repository root, `{out}` for the results dir
     outputs: tuple[str, ...]  # paths under bench/results
-    kind: str  # "twin" | "cpu" | "notes"
+    kind: str  # "twin" | "cpu" | "notes" | "gpu"
     seconds: float
     suite: str = ""
     needs: str = ""  # what a run needs beyond this checkout (a vLLM venv, root, ...)
@@ -141,7 +142,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         ("python -m bench.sensors_acceptance --out {out}/sensors_acceptance.md",),
         ("sensors_acceptance.md",),
         "twin",
-        1,
+        10,  # the 8 runs with another process on the card; the matrix runs it reads are their own entries
         "default",
     ),
     Experiment(
@@ -341,6 +342,14 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     Experiment(
         "startup", ("python -m bench.startup --out {out}/startup.md",), ("startup.md", "startup.json"), "cpu", 60
+    ),
+    Experiment(
+        "device_check",
+        ("bash bench/device_check.sh",),
+        ("device_check.md", "device_check.json"),
+        "gpu",
+        110,
+        needs="a CUDA GPU (here the device tool's H200, offline: carry .whl/ from bash scripts/device_wheels.sh)",
     ),
     Experiment(
         "prefix_cache",

@@ -5,7 +5,7 @@ NVML read period drawn per load from 0 to 500 ms (0: a fresh read at every step)
 
 Why a second run of each load with ideal sensors: it meets the same faults at the same virtual times, so
 the ratio of output throughputs isolates what the sensors cost (with realistic sensors the twin also models
-the CUDA graph pool and its re-captures after a KV resize: engine/backends/twin/sensors.py).
+the CUDA graph pool, captured at start-up and kept over every resize: engine/backends/twin/sensors.py).
 `throughput_vs_ideal` is the lowest ratio over the loads; `lost`, `unrecovered_ooms` and `pool_below_held`
 are the realistic runs' totals, the ideal runs' beside them.
 

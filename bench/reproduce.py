@@ -113,7 +113,9 @@ def listing() -> str:
 
 def selected(names: list[str], deterministic_only: bool) -> list[Experiment]:
     if names == ["all"]:
-        return [e for e in EXPERIMENTS if e.kind != "notes" and (e.deterministic or not deterministic_only)]
+        return [
+            e for e in EXPERIMENTS if e.kind not in ("notes", "gpu") and (e.deterministic or not deterministic_only)
+        ]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise SystemExit(f"unknown experiment(s) {unknown}; `headroom bench reproduce --list` lists them")

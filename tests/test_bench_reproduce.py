@@ -29,7 +29,8 @@ def test_every_committed_result_has_an_entry_and_every_entry_its_files() -> None
 
 def test_every_command_is_a_module_or_the_cli() -> None:
     for e in EXPERIMENTS:
-        assert e.kind in ("twin", "cpu", "notes") and e.suite in (("default", "slow") if e.deterministic else ("",))
+        assert e.kind in ("twin", "cpu", "notes", "gpu")
+        assert e.suite in (("default", "slow") if e.deterministic else ("",))
         for command in e.commands:
             words = shlex.split(command)
             while re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value before the command

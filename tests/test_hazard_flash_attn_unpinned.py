@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,11 +18,19 @@ import torch
 import yaml
 
 from engine.config import EngineConfig
-from engine.model.kernel_choice import choose_kernel
+from engine.model.kernel_choice import choose_kernel, flash_attn_load_error
 from engine.serving import launch
 
 REPO = Path(__file__).resolve().parents[1]
 PAGED_KV = (2, 5, 0)
+
+
+@pytest.fixture(autouse=True)
+def flash_attn_imported_afresh() -> Iterator[None]:
+    """The import is cached per process; each test puts its own flash_attn (or none) on the path."""
+    flash_attn_load_error.cache_clear()
+    yield
+    flash_attn_load_error.cache_clear()
 
 
 def cuda_extra_pin() -> str:
@@ -75,7 +85,7 @@ def test_a_flash_attn_without_paged_kv_falls_back_to_sdpa_and_says_why(
 def test_the_server_logs_which_attention_path_runs_and_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("engine.model.kernel_choice.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ModuleNotFoundError
     choice = choose_kernel("auto", None, torch.device("cuda"), torch.bfloat16)  # CUDA without flash-attn
     backend = SimpleNamespace(
         dtype=torch.bfloat16, dtype_reason="auto: bf16 on CUDA", quant_reason="auto: weights dequantized (CUDA)",
@@ -87,4 +97,4 @@ def test_the_server_logs_which_attention_path_runs_and_why(
     with caplog.at_level(logging.INFO, logger="headroom.server"):
         launch._load_engine(EngineConfig(device="cuda"))
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert "attention sdpa, block size 16 (auto: sdpa (flash_attn is not installed" in "\n".join(logged)
+    assert re.search(r"attention:? sdpa, block size 16 \(auto: sdpa \(flash_attn is not installed", "\n".join(logged))

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 
+from engine.backends import torch_backend
 from engine.backends.twin.backend import TwinBackend
 from engine.config import EngineConfig
 from engine.factory import build_engine
-from engine.model.cuda_graphs import Replay
+from engine.model.cuda_graphs import CAPTURE_SIZES, Replay
 from tests import test_cuda_graphs
 from tests.test_cuda_graphs import backend, generate, prompts
 
@@ -50,7 +52,7 @@ def test_hazard_graph_memory_unseen_a_capture_after_a_resize_runs_outside_the_me
         fn()
         return fn
 
-    b.graphs = b.make_decode_graphs(capture)
+    b.graphs = b.make_decode_graphs(capture, "flash_decode")
     _, engine = generate(b, prompts(b, 2), max_tokens=3)
     engine.resize_kv_pool(12)
     generate(b, prompts(b, 2), max_tokens=3)
@@ -68,3 +70,27 @@ def test_hazard_graph_memory_unseen_the_sized_pool_leaves_room_for_the_graphs():
     assert graphs == twin.graphs.reserved > 64 << 20  # the pool of every bucket, held from start-up
     # the start-up profile measured them in the idle footprint, so the pool is smaller by their blocks
     assert realistic.allocator.num_blocks <= ideal.allocator.num_blocks - graphs // twin.block_bytes
+
+
+def test_hazard_graph_memory_unseen_every_bucket_is_captured_when_the_backend_is_built(tiny, fake_flash, monkeypatch):
+    """The torch backend on a (stood-in) CUDA device captures every bucket in its constructor, into one pool it
+    keeps, before anyone can run a step: so the start-up profiling, which comes after, measures the graphs' memory
+    in the idle footprint. Without the capture at start-up no bucket would be captured here."""
+    captured: list[int] = []
+    pools: list[object] = []
+
+    def capture_into(pool: object) -> Callable[[Callable[[], torch.Tensor]], Replay]:
+        pools.append(pool)
+
+        def capture(fn: Callable[[], torch.Tensor]) -> Replay:
+            captured.append(fn().shape[0])
+            return fn
+
+        return capture
+
+    monkeypatch.setattr(torch_backend, "decode_graph_kernel", lambda *args: ("flash_decode", "stood in"))
+    monkeypatch.setattr(torch_backend, "cuda_graph_capture", capture_into)
+    monkeypatch.setattr(torch.cuda, "MemPool", lambda: SimpleNamespace(id=(0, 1)))
+    b = backend(tiny)
+    assert b.graph_kernel == "flash_decode" and pools == [(0, 1)]
+    assert captured == sorted(CAPTURE_SIZES, reverse=True) and set(b.graphs.replays) == set(CAPTURE_SIZES)

@@ -61,7 +61,7 @@ def test_hazard_partial_grow_leaves_a_whole_cache_and_valid_graphs(tiny, fake_fl
     eager_tokens, _ = generate(backend(tiny), prompts(backend(tiny), 2), max_tokens=8)
     b = backend(tiny, num_blocks=8)
     capture = BoundCapture(b.kv_caches)
-    b.graphs = b.make_decode_graphs(capture)
+    b.graphs = b.make_decode_graphs(capture, "flash_decode")
     _, engine = generate(b, prompts(b, 2), max_tokens=3)  # graphs captured over the 8-block tensors
     assert b.graphs.replays
 

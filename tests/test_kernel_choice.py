@@ -4,21 +4,50 @@ upstream flash-attn wants (the fake enforces upstream's argument checks)."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.factory import _default_block_size
 from engine.model.attention import allocate_kv_cache, build_attention_metadata, paged_attention
-from engine.model.kernel_choice import choose_kernel
+from engine.model.kernel_choice import choose_kernel, flash_attn_load_error
 from engine.model.llama import ModelConfig
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+UNDEFINED_SYMBOL = "flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEa"
+
+
+@pytest.fixture(autouse=True)
+def flash_attn_imported_afresh() -> Iterator[None]:
+    """The import is cached per process; each test puts its own flash_attn (or none) on the path."""
+    flash_attn_load_error.cache_clear()
+    yield
+    flash_attn_load_error.cache_clear()
+
+
+def without_flash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ModuleNotFoundError
+    flash_attn_load_error.cache_clear()
 
 
 @pytest.fixture
 def no_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("engine.model.kernel_choice.importlib.util.find_spec", lambda name: None)
+    without_flash(monkeypatch)
+
+
+def broken_flash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception) -> Path:
+    """A flash_attn on sys.path whose import raises `error`, as a wheel built for another torch does when its
+    extension loads; returns the file each import attempt appends a line to."""
+    (tmp_path / "flash_attn").mkdir()
+    tries = tmp_path / "import_tries"
+    (tmp_path / "flash_attn" / "__init__.py").write_text(f"open({str(tries)!r}, 'a').write('x\\n')\nraise {error!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    return tries
 
 
 def test_auto_on_cuda_with_flash_attn_takes_flash_and_256_blocks(fake_flash) -> None:
@@ -59,8 +88,49 @@ def test_the_factory_sizes_the_pool_in_the_chosen_kernels_blocks(fake_flash, mon
     assert _default_block_size(EngineConfig(device="cuda", dtype="bfloat16")) == 256
     assert _default_block_size(EngineConfig(device="cuda", dtype="float32")) == 16
     assert _default_block_size(EngineConfig(device="cpu")) == 16
-    monkeypatch.setattr("engine.model.kernel_choice.importlib.util.find_spec", lambda name: None)
-    assert _default_block_size(EngineConfig(device="cuda", dtype="bfloat16")) == 16
+    with monkeypatch.context() as m:  # undone before fake_flash takes its module out of sys.modules
+        without_flash(m)
+        assert _default_block_size(EngineConfig(device="cuda", dtype="bfloat16")) == 16
+
+
+@pytest.mark.parametrize(
+    "error", [ImportError(f"{UNDEFINED_SYMBOL}\nmore"), OSError("libcudart.so.12: cannot open shared object file")]
+)
+def test_a_flash_attn_that_does_not_load_is_not_taken_and_the_reason_quotes_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """Found on the path is not enough: auto falls back to sdpa with the import's error, and asking for flash
+    fails at start-up (choose_kernel runs before the model loads) instead of at the first step."""
+    broken_flash(tmp_path, monkeypatch, error)
+    first_line = str(error).splitlines()[0]
+    choice = choose_kernel("auto", None, CUDA, torch.bfloat16)
+    assert (choice.attention, choice.block_size) == ("sdpa", 16)
+    assert f"flash_attn does not load ({type(error).__name__}: {first_line})" in choice.reason
+    assert "more" not in choice.reason
+    with pytest.raises(ValueError, match="attention backend 'flash' cannot run: flash_attn does not load") as err:
+        choose_kernel("flash", None, CUDA, torch.bfloat16)
+    assert first_line in str(err.value)
+
+
+def test_asking_for_flash_where_it_is_missing_or_cannot_run_this_dtype_fails_at_start_up(no_flash) -> None:
+    with pytest.raises(ValueError, match="flash_attn is not installed"):
+        choose_kernel("flash", None, CUDA, torch.bfloat16)
+    with pytest.raises(ValueError, match="flash_attn is not installed"):
+        _default_block_size(EngineConfig(device="cuda", dtype="bfloat16", attention="flash"))
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        choose_kernel("flash", None, CUDA, torch.float32)
+
+
+def test_flash_attn_is_imported_once_per_process_and_only_where_it_could_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tries = broken_flash(tmp_path, monkeypatch, ImportError(UNDEFINED_SYMBOL))
+    choose_kernel("auto", None, CPU, torch.bfloat16)
+    choose_kernel("auto", None, CUDA, torch.float32)
+    assert not tries.exists(), "flash_attn imported off CUDA or for a dtype it cannot run"
+    for _ in range(3):
+        choose_kernel("auto", None, CUDA, torch.bfloat16)
+    assert tries.read_text() == "x\n"
 
 
 def test_flash_path_passes_upstream_arguments_and_matches_sdpa(fake_flash) -> None:

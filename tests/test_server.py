@@ -205,6 +205,10 @@ def test_metrics_and_controller_endpoints(server) -> None:  # noqa: ANN001
     assert state["policy"] in ("adaptive", "fixed") and "limits" in state
     assert state["engine"]["kv_blocks_total"] > 0 and state["engine"]["ooms_recovered"] == 0
     assert len(state["recent_steps"]) <= 3
+    # the plant's start-up choices, each with its reason: a slower fallback shows here, not only in the log
+    plant = state["plant"]
+    assert set(plant) == {"dtype", "quantization", "attention", "kv_pool"}
+    assert plant["kv_pool"] == "tensors copied on a resize (not a CUDA device)"
     # the per-step breakdown: every phase is there, the forward took time, and /metrics carries it
     phases = state["engine"]["step_phases_s"]
     assert set(phases) == set(PHASES) and phases["forward"] > 0 and min(phases.values()) >= 0

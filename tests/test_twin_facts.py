@@ -1,5 +1,6 @@
 """The calibration facts F1-F7 (shared/calibration README) on the 4090 twin, through the real engine,
-scheduler and policies. F1 (idle memory) is in test_twin_memory.py.
+scheduler and policies. F1 (idle memory) is in test_twin_memory.py. Ideal sensors, the facts' own: the seed
+engine's graphs are inside F1's idle, and the realistic graph pool is Headroom's, on top of it (docs/twin.md).
 
 Runs use fewer requests than the seed's benchmark where the fact does not depend on how many: an OOM
 fact needs only the steps up to the failure, and a pass needs the waves of admissions and refills, which
@@ -19,7 +20,7 @@ from engine.core.sampling_params import SamplingParams
 
 
 def point(policy, con: int, inp: int, out: int, n: int, num_blocks: int = 64) -> RunResult:
-    engine = LLMEngine(TwinBackend(num_blocks=num_blocks), policy)
+    engine = LLMEngine(TwinBackend(num_blocks=num_blocks, sensors="ideal"), policy)
     return run_closed_loop(engine, con, n, inp, out)
 
 
@@ -86,7 +87,7 @@ def test_seed_admission_reserves_floor_plus_one_blocks(inp, running):
     """The seed sizes a request as floor(tokens / 256) + 1 blocks: 256 + 1024 tokens take 6 of the 64
     blocks (10 run), 255 + 1024 take 5 (12 run). This is what held the seed below the twin at the KV-bound
     points whose input + output is a multiple of 256 (docs/twin.md)."""
-    engine = LLMEngine(TwinBackend(num_blocks=64), SeedStaticPolicy())
+    engine = LLMEngine(TwinBackend(num_blocks=64, sensors="ideal"), SeedStaticPolicy())
     params = SamplingParams(max_tokens=1024, ignore_eos=True)
     for i in range(16):
         engine.add_request(f"r{i}", [1 + i] * inp, params)
@@ -99,7 +100,7 @@ def test_seed_static_decodes_one_long_request_per_step_so_con_4_at_4096_is_seria
     """The bound behind the unexplained (4, 4096, 256) miss (docs/twin.md): seed-static defers a 4096-token
     prompt while anything decodes and puts at most one long request in a decode batch, so four clients get
     no more output per second than one. The seed reported about twice that."""
-    engine = LLMEngine(TwinBackend(num_blocks=64), SeedStaticPolicy())
+    engine = LLMEngine(TwinBackend(num_blocks=64, sensors="ideal"), SeedStaticPolicy())
     longest_decode_batch = 0
 
     def count_long_decodes(record, batch) -> None:
@@ -121,7 +122,7 @@ def test_a_prompt_just_below_the_long_threshold_joins_a_long_prefill_and_ooms(se
     the seed twice as fast at (4, 4096, 256) (docs/twin.md): the long-prompt rules do not hold a 4095-token
     prompt back, so it is prefilled in the same step as a 4096-token one, and two ~2 GiB logits buffers do
     not fit (F4). The seed ran every point without OOM (F6)."""
-    engine = LLMEngine(TwinBackend(num_blocks=64), SeedStaticPolicy())
+    engine = LLMEngine(TwinBackend(num_blocks=64, sensors="ideal"), SeedStaticPolicy())
     params = SamplingParams(max_tokens=256, ignore_eos=True)
     for i, n in enumerate([4096, second_prompt, 4096, 4096]):
         engine.add_request(f"r{i}", [1 + i] * n, params)

@@ -77,7 +77,7 @@ def test_a_pinned_segment_cannot_be_reused_for_a_bigger_tensor():
 
 @pytest.mark.parametrize("n", [64, 80, 96])
 def test_f1_idle_device_memory(n):
-    b = TwinBackend(num_blocks=n)
+    b = TwinBackend(num_blocks=n, sensors="ideal")  # the fact's own: no graph pool beside the seed's idle
     used_mib = b.probe.sample().device_used / MIB
     assert used_mib == pytest.approx(19515 + 32 * n, abs=1)
     assert b.memory.idle_nvml_used == b.probe.sample().device_used
@@ -91,7 +91,7 @@ def _prefill(prompt_len: int, max_tokens: int = 8, rid: str = "a") -> SchedulerO
 
 
 def test_probe_reports_what_cuda_and_nvml_would():
-    b = TwinBackend(num_blocks=64)
+    b = TwinBackend(num_blocks=64, sensors="ideal")  # exact bytes every step
     with b.probe.step(_prefill(4096).shape):
         (tok,) = b.execute(_prefill(4096)).sampled
     s = b.probe.sample()
@@ -109,7 +109,7 @@ def test_probe_reports_what_cuda_and_nvml_would():
 
 
 def test_oom_raises_torch_error_and_keeps_counting():
-    b = TwinBackend(num_blocks=80)
+    b = TwinBackend(num_blocks=80, sensors="ideal")  # F2's OOM, on the fact's own sensors
     with pytest.raises(torch.OutOfMemoryError), b.probe.step(_prefill(4096).shape):
         b.execute(_prefill(4096))
     s = b.probe.sample()

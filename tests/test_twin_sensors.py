@@ -95,7 +95,7 @@ def test_nvml_is_device_wide_another_process_appears_at_the_next_read():
 
 
 def test_ideal_sensors_see_another_process_at_once():
-    backend = TwinBackend(num_blocks=64)
+    backend = TwinBackend(num_blocks=64, sensors="ideal")
     before = backend.probe.sample().device_used
     backend.set_external(1 << 30)
     assert backend.probe.sample().device_used == before + (1 << 30)
@@ -144,6 +144,7 @@ def test_graph_buckets_are_the_torch_backends():
 
 
 def fingerprint(sensors: str | None) -> tuple:
+    """None: the backend's default sensors."""
     backend = TwinBackend(num_blocks=64) if sensors is None else TwinBackend(num_blocks=64, sensors=sensors)
     engine = LLMEngine(backend, SeedStaticPolicy())
     mem = []
@@ -164,8 +165,16 @@ def fingerprint(sensors: str | None) -> tuple:
 IDEAL = (256, 5.1591462345200005, 0, 5973494202368, 22914531328, 22897664000, 5683520172032)
 
 
-def test_ideal_is_the_default_and_unchanged():
-    assert fingerprint(None) == fingerprint("ideal") == IDEAL
+def test_ideal_is_unchanged():
+    assert fingerprint("ideal") == IDEAL
+
+
+def test_the_backend_defaults_to_realistic_sensors_like_every_command():
+    """issue #41: TwinBackend() with no arguments has the sensors EngineConfig and every command default to."""
+    backend = TwinBackend()
+    assert backend.graphs is not None and backend.nvml.period == PERIOD
+    assert backend.memory.graph_bytes == graph_pool_and_workspaces()
+    assert fingerprint(None) == fingerprint("realistic") != IDEAL
 
 
 def test_realistic_is_deterministic_and_moves_memory_not_time():

@@ -29,7 +29,7 @@ from telemetry.record import StepRecord
 MIB = 1 << 20
 GIB = 1 << 30
 NO_NUMERICS = "n/a (the twin models memory and time, not numerics)"
-NO_CUDA = "skipped: no CUDA"
+NO_CUDA = "no CUDA device"
 PREFILL_CHUNK = 1024  # prompt tokens per step in the fixed-policy runs (fixed_engine says why)
 
 Value = int | float | str | bool | None
@@ -47,6 +47,7 @@ class Plan:
 
     pool_tokens: int  # KV pool of the fixed-pool checks, in tokens (the blocks follow the kernel's block size)
     decode: Load  # graphs vs eager and the KV resize, as staggered() requests
+    decode_pool_tokens: int  # graphs vs eager's own pool (float32), in tokens: what `decode` needs
     logit_prompts: tuple[int, ...]  # flash vs sdpa: prompts prefilled together, then one decode token each
     nvml: Load  # NVML vs allocator: `nvml_batch` of them running at once
     nvml_batch: int
@@ -54,6 +55,13 @@ class Plan:
     oom: Load  # requests decoding when the ballast comes; as many again arrive after it
     follow: Load  # pool following: `requests` clients in a closed loop
     follow_steps: tuple[int, int, int, int]  # warm-up steps, most steps to take, steps held, most to grow back
+    copy_bytes: int  # the bandwidth ceiling's copy
+    matmul_size: int  # the matmul ceiling's square product
+    decode_batches: tuple[int, ...]  # the roofline's decode steps: batches of requests with
+    decode_context: int  # prompts of this many tokens
+    decode_tokens: int  # and this many output tokens
+    prefill_tokens: int  # the roofline's prefill: one prompt of this many tokens in one step,
+    prefill_runs: int  # this many times
 
 
 @dataclass
@@ -88,6 +96,7 @@ class Session:
     plan: Plan
     model_name: str
     dtype: torch.dtype = torch.bfloat16
+    memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False)  # what checks share: computed once
     _shared: TorchBackend | None = field(default=None, init=False, repr=False)
 
     @property
@@ -155,10 +164,11 @@ class RunLog:
 
     wanted: dict[str, int] = field(default_factory=dict)  # every sent request's max_tokens
     tokens: dict[str, list[int]] = field(default_factory=dict)  # finished requests' output ids
-    top2: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)  # per token if asked: best two, gap
+    top: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # per token, if asked: top logprobs
     decode_seconds: list[float] = field(default_factory=list)  # decode-only steps
     decode_batches: list[int] = field(default_factory=list)
     prefill_peaks: list[int] = field(default_factory=list)  # bytes above idle of steps with a prompt
+    prefill_seconds: list[float] = field(default_factory=list)  # steps with a prompt
     steps: int = 0
     ooms: int = 0
 
@@ -177,8 +187,7 @@ class RunLog:
 
     def finished(self, seq: Sequence) -> None:
         self.tokens[seq.request_id] = list(seq.output_ids)
-        top = [lp.top for lp in seq.output_logprobs]
-        self.top2[seq.request_id] = [(t[0][0], t[-1][0], t[0][1] - t[-1][1]) for t in top]
+        self.top[seq.request_id] = [dict(lp.top) for lp in seq.output_logprobs]
 
     def stepped(self, record: StepRecord, _batch: object) -> None:
         self.steps += 1
@@ -188,6 +197,7 @@ class RunLog:
             return
         if shape.prefill_tokens:
             self.prefill_peaks.append(record.memory.step_peak)
+            self.prefill_seconds.append(record.duration)
         elif shape.decode_seqs:
             self.decode_seconds.append(record.duration)
             self.decode_batches.append(shape.decode_seqs)
@@ -206,11 +216,12 @@ def run(
     logprobs: int | None = None,
     before_step: Callable[[LLMEngine], None] | None = None,
     max_steps: int = 100_000,
+    first_index: int = 0,
 ) -> RunLog:
-    """Send `requests` ((prompt tokens, max_tokens) each), then step until every one finished or `max_steps`
-    steps passed, calling `before_step` before each."""
+    """Send `requests` ((prompt tokens, max_tokens) each; their prompts are prompt_ids from `first_index` on), then
+    step until every one finished or `max_steps` steps passed, calling `before_step` before each."""
     log = attach(engine)
-    for i, (prompt, tokens) in enumerate(requests):
+    for i, (prompt, tokens) in enumerate(requests, first_index):
         log.send(engine, i, prompt, tokens, logprobs)
     for _ in range(max_steps):
         if not engine.has_unfinished():
@@ -221,11 +232,11 @@ def run(
     return log
 
 
-def fixed_engine(backend: Any, max_num_seqs: int = 1024) -> LLMEngine:
-    """Requests admitted at once, no KV held back, prompts in chunks of PREFILL_CHUNK tokens: the twin's seed
+def fixed_engine(backend: Any, max_num_seqs: int = 1024, prefill_chunk: int = PREFILL_CHUNK) -> LLMEngine:
+    """Requests admitted at once, no KV held back, prompts in chunks of `prefill_chunk` tokens: the twin's seed
     engine computes logits for every prompt token, and whole prompts of a batch in one step would run its 4090
     out of memory. FixedPolicy's worker dies on an OOM, as the seed's did: the runs on it expect none."""
-    policy = FixedPolicy(max_num_seqs=max_num_seqs, kv_reserve_ratio=0.0, max_prefill_tokens=PREFILL_CHUNK)
+    policy = FixedPolicy(max_num_seqs=max_num_seqs, kv_reserve_ratio=0.0, max_prefill_tokens=prefill_chunk)
     return LLMEngine(backend, policy)
 
 

@@ -1,7 +1,8 @@
-"""The checks of what the controller sees and does about memory: NVML beside the allocator over a run, a real
-OOM that another process causes and the engine recovers from, and the sized KV pool following another process's
-allocation. Each scenario runs on the device and, unchanged, on the twin with its model of another process; each
-returns its figures and whether they meet the check's criterion, so the twin's verdict stands beside the device's.
+"""The checks of what the controller sees and does about memory: the KV pool in CUDA virtual memory, NVML beside
+the allocator over a run, a real OOM that another process causes and the engine recovers from, and the sized KV
+pool following another process's allocation. Each scenario runs on the device and, unchanged, on the twin with its
+model of another process; each returns its figures and whether they meet the check's criterion, so the twin's
+verdict stands beside the device's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from bench.device_checks.common import (
     GIB,
     MIB,
     NO_CUDA,
+    NO_NUMERICS,
     Load,
     Result,
     Session,
@@ -30,11 +32,13 @@ from bench.device_checks.common import (
     twin,
 )
 from controller.config import ControllerConfig
+from engine.backends.torch_backend import TorchBackend
 from engine.backends.twin.backend import TwinBackend
 from engine.config import EngineConfig
 from engine.core.kv_pool import size_kv_pool
 from engine.core.llm_engine import LLMEngine
 from engine.factory import build_engine, build_policy
+from engine.model.loaders import LoadedModel
 from telemetry.record import StepRecord
 
 MIN_READINGS = 10  # fresh NVML readings a run must give for their spread to mean anything
@@ -101,12 +105,56 @@ def nvml_vs_allocator(s: Session) -> Result:
     why = NO_CUDA
     if s.cuda:
         nvml = getattr(s.shared().probe, "nvml", None)
-        why = "" if nvml is not None and nvml.available else "skipped: NVML unavailable (no pynvml, or no driver)"
+        why = "" if nvml is not None and nvml.available else "NVML unavailable (no pynvml, or no driver)"
     if why:
         side_by_side(r, None, predicted, why)
         return r.skip(why)
     engine = fixed_engine(s.shared(), s.plan.nvml_batch)
     side_by_side(r, nvml_readings(engine, s, lambda _record: torch.cuda.memory_reserved(s.device)), predicted, "")
+    return r
+
+
+RELEASE_SLACK = 64 * MIB  # free memory may differ by the allocator's small blocks, not by a pool
+
+
+def vmm_pool(s: Session) -> Result:
+    r = Result(
+        "vmm_pool",
+        "The KV pool in CUDA virtual memory",
+        "on CUDA the shared backend's pool is in CUDA virtual memory; a second pool of blocks half a granule in "
+        "size maps one granule for every two blocks (blocks share granules), and once its backend is dropped "
+        f"the driver's free memory is back within {RELEASE_SLACK / MIB:.0f} MiB of what it was before it",
+    )
+    if not s.cuda:
+        return r.skip(NO_CUDA)
+    shared = s.shared()
+    r.figure("the shared backend's KV pool", shared.kv_layout, NO_NUMERICS)
+    arena = shared.kv_arena
+    if arena is None:
+        r.passed = False
+        return r
+    granule = arena.driver.granularity
+    r.figure("driver granularity (MiB)", granule / MIB, NO_NUMERICS)
+    r.figure("block bytes, Llama-3.1-8B shape (MiB)", arena.block_bytes / MIB, NO_NUMERICS)
+    half = max(1, shared.block_size * granule // (2 * arena.block_bytes))  # tokens a block of half a granule holds
+    blocks = 1024 + 1  # odd: the last granule holds one block
+    s.synchronize()
+    before = torch.cuda.mem_get_info(s.device)[0]
+    model = LoadedModel(shared.model, shared.config, shared.tokenizer, shared.model_name)
+    other = TorchBackend(model, dtype=s.dtype, device=s.device, num_blocks=blocks, block_size=half,
+                         model_cache=False, enforce_eager=True)  # fmt: skip
+    other_arena = other.kv_arena
+    mapped = other_arena.mapped_bytes if other_arena is not None else None
+    took = before - torch.cuda.mem_get_info(s.device)[0]
+    del other, other_arena
+    s.free()
+    back = torch.cuda.mem_get_info(s.device)[0]
+    want = -(-blocks // 2) * granule
+    r.figure(f"second pool: {blocks} blocks of {half} tokens, mapped (MiB)", mapped and mapped / MIB, NO_NUMERICS)
+    r.figure("... granules it should map, one for two blocks (MiB)", want / MIB, NO_NUMERICS)
+    r.figure("device memory the second backend took (MiB)", took / MIB, NO_NUMERICS)
+    r.figure("free memory after it was dropped, minus before it (MiB)", (back - before) / MIB, NO_NUMERICS)
+    r.passed = mapped == want and abs(back - before) <= RELEASE_SLACK
     return r
 
 

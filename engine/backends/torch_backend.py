@@ -14,7 +14,6 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.model import cpu_kernels
 from engine.model.attention import (
-    allocate_kv_cache,
     build_attention_metadata,
     kv_cache_bytes_per_block,
     resize_kv_cache,
@@ -24,10 +23,17 @@ from engine.model.attention import (
 from engine.model.batch_invariance import linear_min_rows
 from engine.model.cpu_forward import fused_layers
 from engine.model.cpu_kernels import CpuKernelOps, head_dim_unsupported, linear_unusable_reason
-from engine.model.cuda_graphs import Capture, DecodeGraphMetadata, DecodeGraphs, cuda_graph_capture
+from engine.model.cuda_graphs import (
+    Capture,
+    DecodeGraphMetadata,
+    DecodeGraphs,
+    cuda_graph_capture,
+    decode_graph_kernel,
+    decode_inputs,
+)
 from engine.model.dtype_choice import choose_dtype
 from engine.model.kernel_choice import KernelChoice, choose_kernel
-from engine.model.kv_arena import KVArena, cuda_vmm
+from engine.model.kv_arena import KVArena, allocate_pool
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
 from engine.model.quant import choose_quantization
@@ -94,14 +100,15 @@ class TorchBackend:
         default KV pool. num_blocks None: `kv_memory_fraction` of the capacity left after the weights (CUDA,
         or CPU with `device_memory`), else CPU_KV_TOKENS. `probe` None: telemetry's probe for the device.
         `seed` seeds unseeded requests' draws. Decode-only steps replay CUDA graphs (engine/model/cuda_graphs.py)
-        on CUDA with the flash kernel, unless `enforce_eager`. `model_cache`: load through the warm-start
-        cache (engine/model/loaders/cache.py). `shard`: this process is one rank of a tensor-parallel group and
-        runs its shard of the model (engine/model/tensor_parallel.py), eagerly, with no swap.
+        on CUDA, of flash-attn's decode or else Triton's (`graph_kernel`), unless `enforce_eager`. `model_cache`:
+        load through the warm-start cache (engine/model/loaders/cache.py). `shard`: this process is one rank of a
+        tensor-parallel group and runs its shard of the model (engine/model/tensor_parallel.py), eagerly, with no
+        swap.
 
-        Batch invariance on CPU (a token's logits do not depend on what else is in the batch): attention keeps
-        it on every path; bf16 linears keep it on Headroom's kernel by construction, elsewhere with their
-        inputs padded to `linear_min_rows` rows (engine/model/batch_invariance.py probes it: oneDNN does not
-        promise it); float32 linears (MKL) round a row differently by batch size. On CUDA nothing is promised."""
+        Batch invariance on CPU (a token's logits do not depend on what else is in the batch): attention keeps it on
+        every path; bf16 linears on Headroom's kernel by construction, elsewhere with their inputs padded to
+        `linear_min_rows` rows (engine/model/batch_invariance.py probes it: oneDNN does not promise it); float32
+        linears (MKL) round a row differently by batch size. On CUDA nothing is promised."""
         self.device = resolve_device(device)
         choice = choose_dtype(dtype, self.device)
         self.dtype, self.dtype_reason = choice.dtype, choice.reason
@@ -112,7 +119,8 @@ class TorchBackend:
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self._use_kernels(kernel, attention)
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
-        self._allocate_kv(capacity)
+        kv = allocate_pool(self.config, self.block_size, self.dtype, self.device, self.num_blocks, capacity)
+        self.kv_arena, self.kv_caches, self.kv_layout = kv
         # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
         # the memory the pool gave back (and count against a cgroup or --device-memory limit).
         self.can_swap = self.device.type == "cuda" and shard is None
@@ -121,8 +129,9 @@ class TorchBackend:
         self.sampler = Sampler(seed, cpu_kernels.draw_plain) if self.attention == "cpu" else Sampler(seed)
         self._kv_host: dict[str, Any] = {}  # swapped-out requests' KV in host memory, by request id
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
-        if self.device.type == "cuda" and self.attention == "flash" and not enforce_eager and shard is None:
-            self._capture_graphs_at_start()
+        self._capture_graphs_at_start(
+            "--enforce-eager" if enforce_eager else "a tensor-parallel rank" if shard else None
+        )
 
     def _load(self, model: str | LoadedModel, quantization: str, model_cache: bool, shard: RankShard | None) -> None:
         """The model, the tokenizer and the quantization's reason. A tensor-parallel rank loads the float weights
@@ -140,32 +149,17 @@ class TorchBackend:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
-    def _allocate_kv(self, capacity: int | None) -> None:
-        """The pool in CUDA virtual memory where the driver has it (engine/model/kv_arena.py: resized in place,
-        so the CUDA graphs stay valid), else as tensors copied on a resize; `kv_layout` says which and why."""
-        per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
-        driver, self.kv_layout = cuda_vmm(self.device)
-        if driver is not None:
-            total = torch.cuda.get_device_properties(self.device).total_memory if capacity is None else capacity
-            try:
-                self.kv_arena = KVArena(
-                    driver, self.config, self.block_size, self.dtype, total // per_block, self.num_blocks
-                )
-            except RuntimeError as e:  # a driver that refuses (OutOfMemoryError is one too): the copying pool
-                self.kv_layout = f"tensors copied on a resize: CUDA virtual memory failed ({e})"
-        if self.kv_arena is None:
-            self.kv_layout = f"tensors copied on a resize ({self.kv_layout})"
-            self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, self.block_size, self.dtype, self.device)
-        else:
-            self.kv_caches = self.kv_arena.caches()
-        self.block_bytes = self.kv_arena.chunk if self.kv_arena is not None else per_block
-
-    def _capture_graphs_at_start(self) -> None:
+    def _capture_graphs_at_start(self, enforce_eager: bool) -> None:
         """Every bucket's decode graph, now, so the idle footprint the controller profiles holds them, into a
         pool kept for the process: graphs a resize drops give their blocks back to it, not to the driver."""
-        self._graph_pool = torch.cuda.MemPool()
-        self.graphs = self.make_decode_graphs(cuda_graph_capture(self._graph_pool.id))
-        self.graphs.capture_all()
+        eager = "--enforce-eager" if enforce_eager else "a tensor-parallel rank" if self.shard is not None else None
+        self.graph_kernel, why = decode_graph_kernel(self.device, self.attention, self.config, self.block_size, eager)
+        if self.device.type == "cuda":
+            self.kernel_reason += f"; decode CUDA graphs: {self.graph_kernel or 'off'} ({why})"
+        if self.graph_kernel is not None:
+            self._graph_pool = torch.cuda.MemPool()
+            self.graphs = self.make_decode_graphs(cuda_graph_capture(self._graph_pool.id), self.graph_kernel)
+            self.graphs.capture_all()
 
     def _use_kernels(self, kernel: KernelChoice, asked: str) -> None:
         """Run the model's attention and elementwise ops on the C++ kernels where `kernel` chose them and the
@@ -205,6 +199,11 @@ class TorchBackend:
         return make_probe(device_name, capacity, idle_bytes=idle, outside=outside)
 
     @property
+    def block_bytes(self) -> int:
+        """Device bytes of one KV block, all layers (a pool in virtual memory maps whole granules of them)."""
+        return kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    @property
     def max_model_len(self) -> int:
         """The model's context, capped by --max-model-len and by the pool as it is now (it may be resized)."""
         return min(self._context_cap, self.num_blocks * self.block_size)
@@ -234,15 +233,11 @@ class TorchBackend:
         return time.perf_counter() - t0
 
     def _resize_copied(self, plan: ResizePlan) -> None:
-        """Reallocate and copy each layer's K and V (engine/model/attention.py: resize_kv_cache). On CUDA,
-        empty_cache after it so the old tensors go back to the driver: one contiguous tensor per layer is what
-        flash-attn's paged kernel needs, the transient is the growth plus one tensor, and a copy at device
-        bandwidth costs milliseconds. A shrink's transient is one new tensor, smaller than the old one.
-
-        A grow that runs out of memory part way is rolled back (a shrink to the old size, which never needs more
-        memory than it frees) and raises torch.OutOfMemoryError: every tensor is whole and of the old size, and
-        the pool holds no bytes it cannot use. Whether it succeeded or not, some tensors were replaced, so the
-        CUDA graphs, which captured the old ones, are dropped; `prepare` captures them again."""
+        """Reallocate and copy each layer's K and V (engine/model/attention.py: resize_kv_cache), then empty_cache on
+        CUDA so the old tensors go back to the driver: the transient is the growth plus one tensor. A grow that
+        runs out of memory part way is rolled back (a shrink to the old size never needs more memory than it
+        frees) and raises torch.OutOfMemoryError. Either way some tensors were replaced, so the CUDA graphs, which
+        captured the old ones, are dropped; `prepare` captures them again."""
         try:
             resize_kv_cache(self.kv_caches, plan.num_blocks, plan.moves)
         except torch.OutOfMemoryError:
@@ -253,7 +248,7 @@ class TorchBackend:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if self.graphs is not None:
-                self.graphs = self.make_decode_graphs(self.graphs.capture)
+                self.graphs = self.make_decode_graphs(self.graphs.capture, self.graphs.kernel)
 
     def swap(self, out: list[tuple[str, list[int]]], into: list[tuple[str, list[int]]]) -> float:
         """Preemption by swap (Backend.swap; only when `can_swap`, i.e. on CUDA, where host memory is not the
@@ -283,9 +278,9 @@ class TorchBackend:
             raise ValueError(f"no room for a KV cache: {available} bytes left after loading the weights")
         return blocks
 
-    def make_decode_graphs(self, capture: Capture) -> DecodeGraphs:
-        """Decode graphs over the KV tensors as they are now; the width of their block tables holds the
-        longest sequence the pool and the context allow."""
+    def make_decode_graphs(self, capture: Capture, kernel: str) -> DecodeGraphs:
+        """Decode graphs of attention `kernel` over the KV tensors as they are now; the width of their block
+        tables holds the longest sequence the pool and the context allow."""
         pool = self.kv_arena.max_blocks if self.kv_arena is not None else self.num_blocks  # the most it can hold
         width = min(-(-self._context_cap // self.block_size), pool)
 
@@ -293,7 +288,7 @@ class TorchBackend:
             arena = self.kv_arena  # its whole range: the graph outlives every resize (KVArena.caches)
             return self.model(ids, positions, arena.caches(arena.max_blocks) if arena else self.kv_caches, meta)
 
-        return DecodeGraphs(forward, width, self.device, capture)
+        return DecodeGraphs(forward, width, self.device, capture, kernel)
 
     def capture_graphs(self) -> None:
         """Every bucket's graph, after the start-up pool sizing resized the pool, which drops the graphs of a
@@ -313,20 +308,12 @@ class TorchBackend:
     def prepare(self, batch: SchedulerOutput) -> None:
         """Before the step, outside its measurement (Backend.prepare): the graph it replays, if a resize dropped it."""
         if batch.items and self._graph_fits(batch) and not self.graphs.has_graph(len(batch.items)):
-            self.graphs.capture_for(*self._graph_inputs(batch))
-
-    def _graph_inputs(self, batch: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-        """A decode-only step's token ids, positions, KV slots and block tables, a row per sequence."""
-        items, bs = batch.items, self.block_size
-        positions = [it.start for it in items]
-        tables = [it.block_table for it in items]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
-        return [it.token_ids[0] for it in items], positions, slots, tables
+            self.graphs.capture_for(*decode_inputs(batch.items, self.block_size))
 
     def _graph_decode(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """The hidden states of a decode-only step replayed from its CUDA graph; None where the step runs
         eagerly (no graphs, a prefill in it, a batch above the largest bucket, a failed capture)."""
-        return self.graphs.run(*self._graph_inputs(batch)) if self._graph_fits(batch) else None
+        return self.graphs.run(*decode_inputs(batch.items, self.block_size)) if self._graph_fits(batch) else None
 
     def warm_up(self) -> float:
         """A prefill of up to WARM_UP_TOKENS tokens and one decode step, into the pool's first blocks before

@@ -1,7 +1,7 @@
 """Paged KV cache and attention over it, for a flattened ragged batch (every sequence's new tokens
 concatenated).
 
-Four kernels share one metadata object (engine/model/attention_metadata.py):
+Five kernels share one metadata object (engine/model/attention_metadata.py):
 - `cpu` (CPU, the default there): a C++ kernel that reads each token's context from the paged cache in
   place, in fp32 (engine/model/cpu_kernels.py, engine/model/csrc/paged_attention.cpp); batch-invariant by
   construction.
@@ -16,6 +16,8 @@ Four kernels share one metadata object (engine/model/attention_metadata.py):
   `block_size % 256 == 0`. Fast, but without the bitwise guarantee.
 - `flash_decode` (CUDA graphs): flash-attn's `flash_attn_with_kvcache` over the same paged cache for a
   decode-only step, with its lengths on the device (engine/model/cuda_graphs.py).
+- `triton_decode` (CUDA graphs where flash-attn is not installed): the same step in a Triton kernel
+  (engine/model/triton_decode.py), reading the cache the sdpa kernel writes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from engine.model.attention_metadata import AttentionMetadata, KVCache, key_blocks
 from engine.model.cpu_kernels import cpu_paged_attention
+from engine.model.triton_decode import paged_decode_attention
 
 if TYPE_CHECKING:
     from engine.model.cuda_graphs import DecodeGraphMetadata
@@ -201,6 +204,8 @@ def paged_attention(
         return _flash(q, kv_cache, meta)
     if meta.backend == "flash_decode":
         return _flash_decode(q, kv_cache, meta)
+    if meta.backend == "triton_decode":
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
     return _sdpa(q, kv_cache, meta)
 
 

@@ -11,8 +11,9 @@ What a graph needs, and where it comes from:
   (same token, position and slot), so they write that row's own K and V again and their outputs are
   dropped;
 - attention whose launch does not depend on the step's lengths: flash-attn's `flash_attn_with_kvcache`
-  reads them from `cache_seqlens` on the device (engine/model/attention.py, backend "flash_decode"); the sdpa
-  kernel sizes its gathers on the host, so it runs eagerly;
+  reads them from `cache_seqlens` on the device (engine/model/attention.py, backend "flash_decode"), and where
+  flash-attn is not installed a Triton kernel does the same over the sdpa kernel's cache ("triton_decode",
+  engine/model/triton_decode.py); the sdpa kernel itself sizes its gathers on the host, so it runs eagerly;
 - the KV tensors it captured: a pool resize replaces them, so the backend drops every graph then and
   captures a bucket again before its next decode step (`capture_for`, from the backend's `prepare`).
 Where the memory goes, and why the controller sees it: every bucket is captured at start-up, largest first,
@@ -31,8 +32,15 @@ import logging
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from engine.model.triton_decode import triton_unusable_reason
+
+if TYPE_CHECKING:
+    from engine.core.batch import ScheduledItem
+    from engine.model.model_config import ModelConfig
 
 logger = logging.getLogger("headroom.engine")
 
@@ -40,6 +48,7 @@ logger = logging.getLogger("headroom.engine")
 CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))
 
 Replay = Callable[[], torch.Tensor]
+DecodeInputs = tuple[list[int], list[int], list[int], list[list[int]]]  # ids, positions, KV slots, block tables
 Capture = Callable[[Callable[[], torch.Tensor]], Replay]
 
 
@@ -52,6 +61,32 @@ def bucket_for(n: int, sizes: tuple[int, ...]) -> int | None:
 def pad_rows(values: list, size: int) -> list:
     """`values` padded to `size` entries by repeating its last one."""
     return values + [values[-1]] * (size - len(values))
+
+
+def decode_graph_kernel(
+    device: torch.device, attention: str, cfg: ModelConfig, block_size: int, eager: str | None
+) -> tuple[str | None, str]:
+    """The attention kernel decode graphs capture, or None (every step eager), and why. `eager`: why the caller
+    runs eagerly anyway (--enforce-eager; a tensor-parallel rank, whose all-reduce is a collective the driver
+    issues, not a kernel a graph could hold)."""
+    if device.type != "cuda":
+        return None, "no CUDA"
+    if eager is not None:
+        return None, eager
+    if attention == "flash":
+        return "flash_decode", "flash-attn's paged decode"
+    blocker = triton_unusable_reason(device, cfg.head_dim, block_size)
+    return (None, blocker) if blocker else ("triton_decode", "flash-attn absent: Triton's paged decode")
+
+
+def decode_inputs(
+    items: list[ScheduledItem], block_size: int
+) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """A decode-only step's token ids, positions, KV slots and block tables, a row per sequence."""
+    positions = [it.start for it in items]
+    tables = [it.block_table for it in items]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions, strict=True)]
+    return [it.token_ids[0] for it in items], positions, slots, tables
 
 
 def cuda_graph_capture(pool: tuple[int, int]) -> Capture:
@@ -85,7 +120,7 @@ class DecodeGraphMetadata:
     slot_mapping: torch.Tensor  # [B] int64
     block_tables: torch.Tensor  # [B, W] int32
     seq_lens: torch.Tensor  # [B] int32: keys each row attends to, its new token included
-    backend: str = "flash_decode"
+    backend: str  # the decode kernel: "flash_decode" or "triton_decode"
 
 
 class DecodeGraphs:
@@ -97,10 +132,12 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         device: torch.device,
         capture: Capture,
+        kernel: str,
         sizes: tuple[int, ...] = CAPTURE_SIZES,
     ) -> None:
-        """forward(ids, positions, meta) -> hidden [B, D]: the model over the KV tensors it captures."""
-        self.forward, self.capture, self.sizes = forward, capture, tuple(sorted(sizes))
+        """forward(ids, positions, meta) -> hidden [B, D]: the model over the KV tensors it captures; `kernel`:
+        the attention backend of the captured steps (DecodeGraphMetadata.backend)."""
+        self.forward, self.capture, self.kernel, self.sizes = forward, capture, kernel, tuple(sorted(sizes))
         top = self.sizes[-1]
         self.ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
@@ -108,6 +145,7 @@ class DecodeGraphs:
             slot_mapping=torch.zeros(top, dtype=torch.long, device=device),
             block_tables=torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, device=device),
             seq_lens=torch.ones(top, dtype=torch.int32, device=device),
+            backend=kernel,
         )
         self.width = max_blocks_per_seq
         self.replays: dict[int, Replay] = {}
@@ -117,15 +155,19 @@ class DecodeGraphs:
         return not self.disabled and bucket_for(n, self.sizes) is not None and longest_table <= self.width
 
     def load(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> int:
-        """Copy a decode step's inputs into the static buffers, padded to its bucket; returns the bucket."""
+        """Copy a decode step's inputs into the static buffers, padded to its bucket; returns the bucket. Only the
+        columns of the step's longest table are written: the tables are as wide as the longest context (8,192
+        blocks for a 128K model), building them whole in Python cost more than the step, and the decode kernels
+        read no block past a row's length, so what earlier steps left beyond it is never read."""
         size = bucket_for(len(ids), self.sizes)
-        rows = [t + [0] * (self.width - len(t)) for t in pad_rows(tables, size)]
+        width = max(len(t) for t in tables)
+        rows = [t + [0] * (width - len(t)) for t in pad_rows(tables, size)]
         host = torch.tensor([pad_rows(ids, size), pad_rows(positions, size), pad_rows(slots, size)], dtype=torch.long)
         self.ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.meta.slot_mapping[:size].copy_(host[2], non_blocking=True)
         self.meta.seq_lens[:size].copy_(host[1] + 1, non_blocking=True)
-        self.meta.block_tables[:size].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        self.meta.block_tables[:size, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
         return size
 
     def run(
@@ -159,7 +201,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> Replay | None:
         meta = DecodeGraphMetadata(
-            self.meta.slot_mapping[:size], self.meta.block_tables[:size], self.meta.seq_lens[:size]
+            self.meta.slot_mapping[:size], self.meta.block_tables[:size], self.meta.seq_lens[:size], self.kernel
         )
         try:
             replay = self.capture(lambda: self.forward(self.ids[:size], self.positions[:size], meta))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import secrets
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -34,6 +34,7 @@ class AppContext:
     other_names: tuple[str, ...] = ()  # further names a request may use for the model (/v1/models lists all)
     admin_key: str | None = None  # guards PATCH /controller/config (None: the api_key does)
     bind_host: str = "127.0.0.1"  # where the server listens: beyond loopback the admin endpoint needs a key
+    plant: dict[str, str] = field(default_factory=dict)  # the backend's start-up choices and why (launch.py)
 
     @property
     def admin_token(self) -> str | None:

@@ -47,6 +47,7 @@ ControllerConfigPatch = _patch_model()
 async def controller_state(ctx: Ctx, steps: int = DEFAULT_STATE_STEPS) -> dict[str, Any]:
     state = dict(await ctx.engine.controller_state())
     state["engine"] = engine_counters(ctx)
+    state["plant"] = ctx.plant
     if ctx.trace is not None:
         state["recent_steps"] = [r.to_dict() for r in ctx.trace.records(last=max(0, steps))]
     return state

@@ -63,6 +63,7 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
         other_names=tuple(names[1:]),
         admin_key=scfg.admin_key,
         bind_host=scfg.host,
+        plant=plant_choices(ecfg, engine),
     )
     _warn_if_exposed(ctx, scfg.host)
     logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, scfg.max_waiting)
@@ -78,16 +79,28 @@ def _load_engine(ecfg: EngineConfig) -> LLMEngine:
     t0 = time.monotonic()
     engine = build_engine(ecfg)
     backend = engine.backend
-    if ecfg.backend == "torch":
-        logger.info("dtype %s (%s)", str(backend.dtype).removeprefix("torch."), backend.dtype_reason)
-        logger.info("quantization: %s", backend.quant_reason)
-        logger.info("attention %s, block size %d (%s)", backend.attention, backend.block_size, backend.kernel_reason)
-        logger.info("KV pool: %s", backend.kv_layout)
+    for what, choice in plant_choices(ecfg, engine).items():
+        logger.info("%s: %s", what, choice)
     logger.info(
         "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
         backend.num_blocks, backend.block_size, backend.max_model_len, backend.model_name, time.monotonic() - t0,
     )  # fmt: skip
     return engine
+
+
+def plant_choices(ecfg: EngineConfig, engine: LLMEngine) -> dict[str, str]:
+    """What the torch backend chose at start-up and why (dtype, quantization, attention, the KV pool's layout):
+    logged, and shown in GET /controller/state, where a fallback that costs speed (a pool copied on a resize, no
+    flash-attn) is seen without reading the log. Empty for the twin, which chooses nothing."""
+    backend = engine.backend
+    if ecfg.backend != "torch":
+        return {}
+    return {
+        "dtype": f"{str(backend.dtype).removeprefix('torch.')} ({backend.dtype_reason})",
+        "quantization": backend.quant_reason,
+        "attention": f"{backend.attention}, block size {backend.block_size} ({backend.kernel_reason})",
+        "kv_pool": backend.kv_layout,
+    }
 
 
 def _observe_finished(metrics: Metrics, now: float, seq: Sequence) -> None:

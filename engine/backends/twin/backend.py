@@ -65,11 +65,12 @@ class TwinBackend:
         block_size: int | None = None,
         realtime: bool = False,
         max_model_len: int | None = None,
-        sensors: str = "ideal",
+        sensors: str = "realistic",
     ) -> None:
         """`num_blocks`, `block_size` None: the profile's (the pool its engine ran with). `realtime`: sleep in
         execute() so virtual time tracks wall time (for `headroom serve`). `sensors`: what the probe sees and
-        the memory outside the step trace (engine/backends/twin/sensors.py)."""
+        the memory outside the step trace (engine/backends/twin/sensors.py); realistic by default, as for every
+        command (EngineConfig.twin_sensors), "ideal" for exact bytes every step."""
         if sensors not in TWIN_SENSORS:
             raise ValueError(f"sensors must be one of {', '.join(TWIN_SENSORS)}; got {sensors!r}")
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
