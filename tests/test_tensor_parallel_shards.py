@@ -101,8 +101,17 @@ def test_cuda_ranks_take_their_own_device_and_nccl(monkeypatch: pytest.MonkeyPat
     from engine.backends import tp_collectives, tp_worker
 
     made: list[tuple] = []
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", lambda *args: made.append(args) or "nccl", raising=False)
-    assert tp_collectives.make_group("store", 1, 2, torch.device("cuda", 1)) == "nccl"  # type: ignore[arg-type]
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, *args: object) -> None:
+            made.append(args[:3])
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # make_group sets it: restored after the test
+    assert isinstance(tp_collectives.make_group("store", 1, 2, torch.device("cuda", 1)), FakeNCCL)  # type: ignore[arg-type]
     assert made == [("store", 1, 2)]
     assert tp_worker.rank_kwargs({"device": "cuda"}, 1)["device"] == "cuda:1"
     assert tp_worker.rank_kwargs({"device": "cpu"}, 1)["device"] == "cpu"

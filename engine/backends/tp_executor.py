@@ -9,8 +9,9 @@ computes logits and samples. Each rank measures its own step with its own probe;
 Faults: an OOM on any rank fails the step on every rank (each finishes the step's all-reduces,
 engine/backends/tp_collectives.py, and says whether it ran out) and the driver raises torch.OutOfMemoryError,
 which the engine recovers as on one device: nothing advanced, the step's requests run again under backed-off
-limits. A rank that dies (its pipe closes, or a collective fails) raises RankDiedError, an EngineDeadError: the
-engine stops, and the server answers 503.
+limits. A rank that dies (its pipe closes, its process exits while the driver waits for a collective, or a
+collective fails or outlasts the group's timeout) raises RankDiedError, an EngineDeadError: the engine stops,
+and the server answers 503.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import weakref
 from contextlib import suppress
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch.distributed as dist
 
 from engine.backends.rank_probes import RankProbes
 from engine.backends.torch_backend import TorchBackend
-from engine.backends.tp_collectives import make_group
+from engine.backends.tp_collectives import COLLECTIVE_TIMEOUT, make_group
 from engine.backends.tp_worker import STORE_TIMEOUT, WorkerSpec, rank_backend, rank_kwargs, rank_sample, worker_main
 from engine.core.batch import EMPTY, ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
@@ -41,14 +43,24 @@ class RankDiedError(EngineDeadError):
 
 
 class TensorParallelBackend:
-    def __init__(self, size: int, backend_kwargs: dict[str, Any], oom_rank: int | None = None, oom_rate: float = 0.0):
+    def __init__(
+        self,
+        size: int,
+        backend_kwargs: dict[str, Any],
+        oom_rank: int | None = None,
+        oom_rate: float = 0.0,
+        collective_timeout: timedelta = COLLECTIVE_TIMEOUT,
+    ):
         """`size` ranks of TorchBackend(**backend_kwargs), the model given as a spec each rank loads. oom_rank and
-        oom_rate: a test hook that fails that share of one rank's forwards with an OOM (StepCollectives)."""
+        oom_rate: a test hook that fails that share of one rank's forwards with an OOM (StepCollectives).
+        collective_timeout: how long a collective may wait for a peer that hangs (tp_collectives)."""
         self.size = size
         rate = {r: oom_rate if r == oom_rank else 0.0 for r in range(size)}
         self._threads = torch.get_num_threads()  # the driver takes its share of the cores; close() restores
         # the driver's shard first: a size the model cannot take is refused before any process starts
-        self.inner, self._collectives = rank_backend(0, size, rank_kwargs(backend_kwargs, 0), rate[0])
+        self.inner, self._collectives = rank_backend(
+            0, size, rank_kwargs(backend_kwargs, 0), rate[0], collective_timeout
+        )
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
@@ -59,9 +71,11 @@ class TensorParallelBackend:
             # every rank holds the driver's pool: the same blocks, of the same size
             kwargs = {**rank_kwargs(backend_kwargs, rank), "num_blocks": self.inner.num_blocks}
             kwargs["block_size"] = self.inner.block_size
-            self._start(WorkerSpec(rank, size, store.port, kwargs, rate[rank]))
+            self._start(WorkerSpec(rank, size, store.port, kwargs, rate[rank], collective_timeout))
+        self._collectives.lost = self._exited
         try:
-            self._collectives.group = make_group(store, 0, size, self.inner.device)
+            self._gather()  # every worker loaded: the group's rendezvous is then a matter of milliseconds
+            self._collectives.group = make_group(store, 0, size, self.inner.device, collective_timeout)
             self._gather()
         except BaseException:
             self.close()
@@ -170,9 +184,20 @@ class TensorParallelBackend:
             self._ranks[rank] = reply[1]
         return replies
 
+    def _exited(self) -> str | None:
+        """A worker whose process has exited, which no collective will ever hear from again."""
+        for rank, proc in enumerate(self._procs, 1):
+            if not proc.is_alive():
+                return f"rank {rank} exited (code {proc.exitcode})"
+        return None
+
     def _died(self, why: str) -> RankDiedError:
-        """The group is finished: the workers are stopped and every later call raises at once."""
+        """The group is finished: the workers are killed and every later call raises at once. Killed, not
+        asked to stop: a worker of a lost group may be stuck in a collective for its whole timeout, and the
+        caller's 503 would wait STOP_WAIT_S on each."""
         self.dead = f"tensor parallel group lost: {why}"
+        for proc in self._procs:
+            proc.kill()
         self.close()
         return RankDiedError(self.dead)
 

@@ -1,7 +1,9 @@
 """A tensor-parallel rank other than the driver: a process that runs its shard of every step it is sent.
 
 The driver (engine/backends/tp_executor.py) schedules, samples and runs the controller; a worker only computes.
-It takes commands on a pipe, in order, and answers each:
+It says ("loaded", ...) once its shard is built and ("ready", ...) once it has joined the group, which the ranks
+join together, all loaded: the group's timeout (tp_collectives) bounds its rendezvous on gloo too, and is
+sized for a collective, not for a model's load. Then it takes commands on a pipe, in order, and answers each:
 - ("execute", items, tokens): its shard's forward under its own memory probe, then the step's `finish`
   (engine/backends/tp_collectives.py); answers ("done", its RankSample, whether its forward ran out of memory);
 - ("resize", plan): its KV shard to the plan's size; answers ("done", its RankSample, whether it ran out);
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.backends.torch_backend import TorchBackend, resolve_device
-from engine.backends.tp_collectives import StepCollectives, make_group
+from engine.backends.tp_collectives import COLLECTIVE_TIMEOUT, StepCollectives, make_group
 from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.model.tensor_parallel import RankShard
 from telemetry.record import RankSample
@@ -35,12 +37,15 @@ class WorkerSpec:
     store_port: int
     backend_kwargs: dict[str, Any]  # TorchBackend's keyword arguments (the model as a spec, not an object)
     oom_rate: float = 0.0  # test hook: this rank's forwards that fail with an OOM (StepCollectives)
+    timeout: timedelta = COLLECTIVE_TIMEOUT  # the group's, on every collective (make_group)
 
 
-def rank_backend(rank: int, size: int, kwargs: dict[str, Any], oom_rate: float) -> tuple[TorchBackend, StepCollectives]:
+def rank_backend(
+    rank: int, size: int, kwargs: dict[str, Any], oom_rate: float, timeout: timedelta
+) -> tuple[TorchBackend, StepCollectives]:
     """Rank `rank`'s backend and the collectives its model all-reduces through; the group is joined later
     (`StepCollectives.group`), once every rank has loaded."""
-    collectives = StepCollectives(oom_rate)
+    collectives = StepCollectives(oom_rate, timeout)
     backend = TorchBackend(**kwargs, shard=RankShard(rank, size, collectives.reduce))
     if backend.device.type == "cuda":
         torch.cuda.set_device(backend.device)  # NCCL's communicator runs on the process's current device
@@ -56,17 +61,18 @@ def rank_sample(rank: int, backend: TorchBackend) -> RankSample:
     return RankSample(rank, backend.probe.sample(), backend.num_blocks, backend.block_bytes)
 
 
-def join_group(store_port: int, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
+def join_group(store_port: int, rank: int, size: int, device: torch.device, timeout: timedelta) -> dist.ProcessGroup:
     """A worker's place in the group, through the driver's store."""
     store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=STORE_TIMEOUT)
-    return make_group(store, rank, size, device)
+    return make_group(store, rank, size, device, timeout)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """The spawned process: build the shard, join the group, say ready, then serve commands."""
+    """The spawned process: build the shard, say loaded, join the group, say ready, then serve commands."""
     try:
-        backend, collectives = rank_backend(spec.rank, spec.size, spec.backend_kwargs, spec.oom_rate)
-        collectives.group = join_group(spec.store_port, spec.rank, spec.size, backend.device)
+        backend, collectives = rank_backend(spec.rank, spec.size, spec.backend_kwargs, spec.oom_rate, spec.timeout)
+        conn.send(("loaded", rank_sample(spec.rank, backend), False))
+        collectives.group = join_group(spec.store_port, spec.rank, spec.size, backend.device, spec.timeout)
     except Exception as e:  # noqa: BLE001 - the driver reports it and stops the group
         conn.send(("error", f"rank {spec.rank}: {type(e).__name__}: {e}"))
         return
