@@ -20,11 +20,11 @@ from bench.harness.report import Stamp, write_report
 from controller.adaptive import AdaptivePolicy
 from controller.step_budget import Packer
 from telemetry.record import MemorySample, StepRecord, StepShape
+from telemetry.units import MIB
 
 # CPU time of this process, not wall time: the cost is what the controller burns, and on a shared
 # machine wall time also counts whatever else ran meanwhile.
 CLOCK = time.process_time_ns
-MIB = 1 << 20
 CAPACITY = 25_250_627_584
 IDLE = 22_190_000_000
 

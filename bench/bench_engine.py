@@ -3,7 +3,8 @@ decode output tok/s for a batch of sequences that each hold `--context` tokens o
 
 Decode sequences start with their context marked as already computed (the KV holds zeros): attention
 cost depends on the context length, not on what the cache holds, and it saves prefilling 32 x 300 tokens
-on a small CPU.
+on a small CPU. The batches are plain data built here (ScheduledItem, each request's blocks a range of the
+pool): no engine, scheduler or allocator runs.
 
 Besides wall-clock tok/s it reports tokens per CPU-second of this process: on a machine shared with other
 busy processes, wall time mostly measures the neighbours, while with --threads 1 CPU time still measures
@@ -25,15 +26,19 @@ import torch
 from bench.harness.machine import load_average, machine_line
 from engine.backends.torch_backend import TorchBackend
 from engine.core.batch import ScheduledItem, SchedulerOutput
-from engine.core.kv_cache import BlockAllocator
 from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=None)
 
 
 def random_ids(n: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def item(rid: str, prompt: tuple[int, ...], token_ids: list[int], start: int, table: list[int]) -> ScheduledItem:
+    """The step of one request that computes `token_ids` at `start` and samples the token after them."""
+    n = len(token_ids)
+    return ScheduledItem(rid, token_ids, start, n, n > 1, True, table, GREEDY, prompt, start + n + 1)
 
 
 def timed(backend: TorchBackend, batch: SchedulerOutput) -> tuple[list[int], float, float]:
@@ -45,15 +50,13 @@ def timed(backend: TorchBackend, batch: SchedulerOutput) -> tuple[list[int], flo
 
 def bench_prefill(backend: TorchBackend, tokens: int, repeats: int, rng: random.Random) -> tuple[float, float]:
     """Best of `repeats` single-prompt prefills (one step, one sampled token): (tok/s, tok/CPU-s)."""
-    alloc = BlockAllocator(backend.num_blocks, backend.block_size)
+    table = list(range(-(-tokens // backend.block_size)))
     times = []
     for _ in range(repeats):
-        seq = Sequence("p", random_ids(tokens, backend.config.vocab_size, rng), GREEDY, 1)
-        seq.block_table = alloc.allocate(alloc.blocks_for(tokens))
+        prompt = random_ids(tokens, backend.config.vocab_size, rng)
         batch = SchedulerOutput()
-        batch.add(ScheduledItem.of(seq, 0, tokens, True))
+        batch.add(item("p", tuple(prompt), prompt, 0, table))
         times.append(timed(backend, batch)[1:])
-        alloc.free(seq.block_table)
     return tokens / min(t[0] for t in times), tokens / min(t[1] for t in times)
 
 
@@ -62,26 +65,19 @@ def bench_decode(
 ) -> tuple[float, float]:
     """Output (tok/s, tok/CPU-s) over the median of `steps` decode steps of `batch_size` sequences, after
     one warm-up step."""
-    alloc = BlockAllocator(backend.num_blocks, backend.block_size)
-    seqs = []
-    for i in range(batch_size):
-        seq = Sequence(str(i), random_ids(context, backend.config.vocab_size, rng), GREEDY, steps + 2)
-        seq.output_ids = [rng.randrange(100, backend.config.vocab_size)]
-        seq.num_computed = seq.num_tokens - 1
-        seq.block_table = alloc.allocate(alloc.blocks_for(context + steps + 2))
-        seqs.append(seq)
+    per_seq = -(-(context + steps + 2) // backend.block_size)
+    if batch_size * per_seq > backend.num_blocks:
+        raise MemoryError(f"KV cache: {batch_size} x {per_seq} blocks asked for, {backend.num_blocks} in the pool")
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)]
+    prompts = [tuple(random_ids(context, backend.config.vocab_size, rng)) for _ in range(batch_size)]
+    last = [rng.randrange(100, backend.config.vocab_size) for _ in range(batch_size)]  # each one's first output
     durations = []
-    for _ in range(steps + 1):
+    for step in range(steps + 1):
         batch = SchedulerOutput()
-        for seq in seqs:
-            batch.add(ScheduledItem.of(seq, seq.num_computed, 1, False))
-        tokens, wall, cpu = timed(backend, batch)
+        for i in range(batch_size):
+            batch.add(item(str(i), prompts[i], [last[i]], context + step, tables[i]))
+        last, wall, cpu = timed(backend, batch)
         durations.append((wall, cpu))
-        for seq, token in zip(seqs, tokens, strict=True):
-            seq.num_computed += 1
-            seq.output_ids.append(token)
-    for seq in seqs:
-        alloc.free(seq.block_table)
     wall, cpu = zip(*durations[1:], strict=True)
     return batch_size / statistics.median(wall), batch_size / statistics.median(cpu)
 

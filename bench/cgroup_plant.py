@@ -34,9 +34,8 @@ from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
 from bench.harness.server import ServerProcess, free_port, headroom_argv
 from telemetry.probes.cgroup import CgroupMemory
-from telemetry.units import parse_bytes
+from telemetry.units import MIB, parse_bytes
 
-MIB = 1 << 20
 V1_ROOT, V2_ROOT = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # ordinary token ids of SmolLM2's vocabulary
 READY_TIMEOUT_S = 300.0

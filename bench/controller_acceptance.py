@@ -11,16 +11,14 @@ JSONs already there) and writes the report:
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import subprocess
 from pathlib import Path
 
 from bench.harness.report import Stamp, write_report
+from bench.seed_matrix import Point, geomean, load_matrix
 
 BLOCKS = (64, 80, 96)
 POLICIES = ("adaptive", "seed-static")
-Key = tuple[int, int, int]
 
 
 def matrix_cmd(policy: str, blocks: int, out: Path) -> list[str]:
@@ -43,16 +41,7 @@ def matrix_cmd(policy: str, blocks: int, out: Path) -> list[str]:
     ]
 
 
-def load(path: Path) -> tuple[str, dict[Key, dict]]:
-    doc = json.loads(path.read_text())
-    return doc["command"], {(p["concurrency"], p["input_len"], p["output_len"]): p for p in doc["points"]}
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
-
-
-def point_table(ad: dict[Key, dict], sd: dict[Key, dict]) -> list[str]:
+def point_table(ad: dict[Point, dict], sd: dict[Point, dict]) -> list[str]:
     lines = [
         "| con | in | out | adaptive tok/s | seed tok/s | ratio | adaptive TTFT mean / p99 ms "
         "| seed TTFT mean / p99 ms | adaptive E2EL mean / p99 s | seed E2EL mean / p99 s "
@@ -72,7 +61,7 @@ def point_table(ad: dict[Key, dict], sd: dict[Key, dict]) -> list[str]:
     return lines
 
 
-def targets(runs: dict[tuple[str, int], dict[Key, dict]]) -> list[str]:
+def targets(runs: dict[tuple[str, int], dict[Point, dict]]) -> list[str]:
     ad, sd = runs["adaptive", 64], runs["seed-static", 64]
     ratio = {k: ad[k]["output_throughput"] / sd[k]["output_throughput"] for k in ad}
     rows = []
@@ -122,14 +111,14 @@ def main() -> None:
     if not args.no_run:
         for (p, b), path in paths.items():
             subprocess.run(matrix_cmd(p, b, path), check=True, stdout=subprocess.DEVNULL)
-    loaded = {k: load(path) for k, path in paths.items()}
+    loaded = {k: load_matrix(path) for k, path in paths.items()}
     runs = {k: v[1] for k, v in loaded.items()}
     lines = [
         "# Adaptive controller on the 4090 twin: acceptance matrix",
         "",
         "Twin numbers, virtual time; adaptive runs its default config (controller/default.toml) at every point.",
         "",
-        *[f"- `{cmd}`" for cmd, _ in loaded.values()],
+        *[f"- `{doc['command']}`" for doc, _ in loaded.values()],
         "",
         "## Acceptance targets",
         "",

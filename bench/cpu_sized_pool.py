@@ -25,8 +25,8 @@ from engine.cli import engine_config
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from engine.factory import build_engine
+from telemetry.units import MIB
 
-MIB = 1 << 20
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # ordinary token ids of SmolLM2's vocabulary
 
 
@@ -59,9 +59,8 @@ def run(engine: LLMEngine, requests: int, min_prompt: int, max_prompt: int, max_
     """Add `requests` prompts of uniform random length in [min_prompt, max_prompt] at once; step to the end."""
     rng = random.Random(seed)
     lengths = [rng.randint(min_prompt, max_prompt) for _ in range(requests)]
-    out = Outcome(
-        engine.policy.pool.sizing or {}, str(engine.backend.dtype).removeprefix("torch."), requests, sum(lengths)
-    )
+    sizing = engine.policy.state()["kv_pool"]["start_up"] or {}
+    out = Outcome(sizing, str(engine.backend.dtype).removeprefix("torch."), requests, sum(lengths))
     for i, n in enumerate(lengths):
         params = SamplingParams(max_tokens=rng.randint(1, max_tokens), ignore_eos=True, temperature=0.0)
         engine.add_request(f"r{i}", [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)], params)

@@ -43,25 +43,24 @@ class Experiment:
 
 _BEFORE_PREFIX = "default,round_robin,least_outstanding,prefix_affinity,headroom_p2c,headroom_no_prefix"
 _OTHERS = ("round_robin", "least_outstanding", "prefix_affinity", "headroom_p2c", "headroom_no_prefix")
-# The fourth to sixth sessions' runs at 1,000 replicas, one JSON per router and seed (a run cut short loses less):
-# (load, seed, routers).
+# The other routers at 1,000 replicas, one JSON per router and seed (a run cut short loses less): (load, seed, routers).
 _ONE_BY_ONE = (
     ("near", 1, _OTHERS), ("near", 2, _OTHERS), ("near", 3, _OTHERS), ("near", 4, _OTHERS[:3]),
     ("above", 0, _OTHERS[:4]), ("above", 1, _OTHERS), ("above", 2, _OTHERS[:2]),
-    # a fifth session's, at 7f61685 (prefix_affinity above seed 9 and headroom_p2c seed 8: f3875e2, the same code)
     ("near", 4, _OTHERS[3:]), *(("near", seed, _OTHERS) for seed in range(5, 10)),
     ("above", 2, _OTHERS[2:4]), *(("above", seed, _OTHERS[:4]) for seed in range(3, 9)), ("above", 9, _OTHERS[:3]),
-    # a sixth session's, at 0067e47 (the same simulator code)
     ("above", 9, _OTHERS[3:4]), *(("above", seed, _OTHERS[4:]) for seed in range(2, 10)),
 )  # fmt: skip
-FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what six sessions' two cores ran
+# (replicas, load, first seed, seeds, routers, file tag): one `headroom bench fleet` command and its JSON each, in
+# the order the report lists their commands. Each JSON names the commit it ran at.
+FLEET_RUNS = (
     (4, "near", 0, 10, _BEFORE_PREFIX, ""), (4, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 0, 10, _BEFORE_PREFIX, ""), (16, "above", 0, 10, _BEFORE_PREFIX, ""),
     (16, "near", 100, 10, "default,headroom_p2c,headroom_no_prefix", ""),
     (64, "near", 0, 10, _BEFORE_PREFIX, ""), (64, "above", 0, 10, _BEFORE_PREFIX, ""),
     (256, "near", 0, 5, "default,headroom_no_prefix", ""), (256, "above", 0, 2, "default,headroom_no_prefix", ""),
     (1000, "near", 0, 1, "default,headroom_no_prefix", ""), (1000, "above", 0, 1, "default,headroom_no_prefix", ""),
-    # the headroom rule with prefix homes, found after the runs above (report.merge joins them by size and load)
+    # the headroom rule with prefix homes, in JSONs of its own (report.merge joins them by size and load)
     (4, "near", 0, 10, "headroom", "headroom"), (4, "above", 0, 10, "headroom", "headroom"),
     (16, "near", 0, 10, "headroom", "headroom"), (16, "above", 0, 10, "headroom", "headroom"),
     (16, "near", 100, 10, "headroom", "headroom"),
@@ -72,14 +71,12 @@ FLEET_RUNS = (  # (replicas, load, first seed, seeds, routers, file tag): what s
     (1000, "near", 0, 2, "headroom", "headroom"), (1000, "near", 1, 1, "default", ""),
     (1000, "near", 2, 2, "default,headroom", ""),
     (1000, "above", 0, 1, "headroom", "headroom"),
-    # a third session's, on a faster engine step (the same results: bench/results/fleet.md)
+    # more seeds at 256 and 1,000 replicas
     (256, "above", 0, 10, "round_robin,least_outstanding,prefix_affinity,headroom_p2c", "others"),
     (1000, "near", 4, 3, "default,headroom", ""), (1000, "near", 7, 3, "default,headroom", ""),
     (1000, "above", 1, 2, "default,headroom", ""), (1000, "above", 3, 2, "default,headroom", ""),
     (1000, "above", 5, 1, "default,headroom", ""), (1000, "above", 6, 1, "default,headroom", ""),
     (1000, "above", 7, 1, "default,headroom", ""),
-    # a fourth session's: the first three at 8abf877, the rest on the faster simulator of e5c72a3 (the same
-    # results; each JSON names its commit)
     (256, "above", 2, 8, "headroom_no_prefix", "no_prefix"), (1000, "above", 8, 2, "default,headroom", ""),
     (1000, "near", 0, 1, ",".join(_OTHERS[:4]), "others"),
     *((1000, load, seed, 1, r, r) for load, seed, routers in _ONE_BY_ONE for r in routers),

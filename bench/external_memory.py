@@ -20,13 +20,13 @@ from pathlib import Path
 
 from bench.harness.report import Stamp, write_report
 from bench.harness.twin_flags import add_twin_sensors, twin_argv
+from engine.backends.twin.backend import as_twin
 from engine.cli import engine_config
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from engine.factory import build_engine
 from telemetry.record import StepRecord
-
-GIB = 1 << 30
+from telemetry.units import GIB
 
 
 @dataclass
@@ -65,7 +65,7 @@ def run(
     twin: list[str],
 ) -> Outcome:
     engine = build_engine(engine_config(twin))
-    backend = engine.backend
+    backend = as_twin(engine.backend)
     out = Outcome(Timeline(), backend.memory.cuda_total)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
 
@@ -104,7 +104,7 @@ def run(
 
 def _take(engine: LLMEngine, wanted: int, out: Outcome) -> bool:
     """The other process asks for `wanted` bytes in all; True when it now holds more than before."""
-    backend = engine.backend
+    backend = as_twin(engine.backend)
     before = backend.memory.external
     held = backend.set_external(wanted)
     if held == wanted and wanted and out.held_all_at is None:

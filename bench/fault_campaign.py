@@ -24,13 +24,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.fault_run import GIB, MAX_EXTERNAL, RATES, Fault, FaultRun, Rates, schedule
+from bench.fault_run import MAX_EXTERNAL, RATES, Fault, FaultRun, Rates, schedule
 from bench.harness.report import Stamp, write_report
 from bench.loadgen import TraceRequest, load_trace, run_closed_loop, run_trace
 from bench.seed_matrix import SEED_MATRIX, Point, num_requests
+from engine.backends.twin.backend import as_twin
 from engine.cli import engine_config
 from engine.core.llm_engine import LLMEngine
 from engine.factory import build_engine
+from telemetry.units import GIB
 
 TRACE = Path("bench/results/sharegpt_like_300.jsonl")
 MAX_NVML_LAG_S = 0.5
@@ -84,7 +86,7 @@ def twin_engine(sensors: str, nvml_period: float | None = None) -> LLMEngine:
     realistic sensor's NVML read period set to `nvml_period` after start-up."""
     engine = build_engine(engine_config(["--backend", "twin", "--policy", "adaptive", "--twin-sensors", sensors]))
     if nvml_period is not None:
-        engine.backend.nvml.period = nvml_period
+        as_twin(engine.backend).nvml.period = nvml_period
     return engine
 
 

@@ -36,15 +36,17 @@ from typing import Any
 
 import torch
 
+from engine.backends.twin.backend import TwinBackend, as_twin
+from engine.core.backend import Backend
 from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.faults import OOMInjector
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.outputs import EngineOutput
 from engine.core.sequence import Sequence
+from engine.core.stats import FinishedRequest
 from telemetry.record import StepRecord
+from telemetry.units import GIB, MIB
 
-MIB = 1 << 20
-GIB = 1 << 30
 MAX_EXTERNAL = 4 * GIB
 # A fragmentation fault: pairs of a hole (freed again) and a pin (kept live), sizes over 1 MiB (the large pool).
 FRAGMENT_PAIRS = (1, 4)
@@ -106,7 +108,7 @@ class ArmedOOMs(OOMInjector):
     """The OOM injector, failing the steps the schedule arms instead of a random share of them, so that both
     runs of a load fail at the same virtual times."""
 
-    def __init__(self, backend: object) -> None:
+    def __init__(self, backend: Backend) -> None:
         super().__init__(backend, 0.0)
         self.armed = 0
 
@@ -122,10 +124,10 @@ class Stalled(RuntimeError):
     """For STALL_S virtual seconds every step failed or scheduled nothing: the engine did not go on."""
 
 
-def pool_below_held(engine: LLMEngine) -> bool:
+def pool_below_held(engine: LLMEngine, twin: TwinBackend) -> bool:
     """Whether a running request's block table names a block past the KV pool: the allocator's or the
     device's, whichever is smaller (a resize the two disagree on counts too)."""
-    pool = min(engine.allocator.num_blocks, engine.backend.memory.num_blocks)
+    pool = min(engine.allocator.num_blocks, twin.memory.num_blocks)
     return max((b for s in engine.scheduler.running for b in s.block_table), default=-1) >= pool
 
 
@@ -140,7 +142,8 @@ class FaultRun:
 
     def __init__(self, engine: LLMEngine, faults: Iterator[Fault]) -> None:
         self.engine = engine
-        self.backend = engine.backend = ArmedOOMs(engine.backend)
+        self.twin = as_twin(engine.backend)
+        self.injector = engine.backend = ArmedOOMs(self.twin)
         self._step, self._add = engine.step, engine.add_request
         engine.step, engine.add_request = self.step, self.add_request  # type: ignore[method-assign]
         self.faults = faults
@@ -148,14 +151,14 @@ class FaultRun:
         self.applied: list[Fault] = []
         self.wanted = 0  # bytes the other process asks for
         self.external_max = 0
-        self.t0 = self.backend.now()
+        self.t0 = self.twin.now()
         self.rejected = 0  # requests refused at admission
         self.below_held = 0
         self.stuck_since: float | None = None  # since when every step failed or scheduled nothing
         self.empty = 0  # calls that scheduled nothing
         self.idle_s = 0.0  # virtual seconds idled waiting for the next fault
         self.pool = (engine.allocator.num_blocks, engine.allocator.num_blocks)  # least, most
-        self.finished: list[Sequence] = []
+        self.finished: list[FinishedRequest] = []
         engine.step_listeners.append(self.on_step)
         engine.finish_listeners.append(self.finished.append)
 
@@ -164,10 +167,10 @@ class FaultRun:
         e, calls = self.engine, 0
         while True:
             if calls > 1:  # two calls in a row scheduled nothing: idle until the next fault
-                self.idle_s += self.t0 + self.next.t - self.backend.now()
-                self.backend.advance_to(self.t0 + self.next.t)
-            if self.stuck_since is not None and self.backend.now() - self.stuck_since > STALL_S:
-                raise Stalled(f"no step ran for {self.backend.now() - self.stuck_since:.1f} s")
+                self.idle_s += self.t0 + self.next.t - self.twin.now()
+                self.twin.advance_to(self.t0 + self.next.t)
+            if self.stuck_since is not None and self.twin.now() - self.stuck_since > STALL_S:
+                raise Stalled(f"no step ran for {self.twin.now() - self.stuck_since:.1f} s")
             self._apply_due()
             before = e.step_id
             outputs = self._step()
@@ -186,7 +189,7 @@ class FaultRun:
             raise
 
     def on_step(self, rec: StepRecord, _batch: SchedulerOutput) -> None:
-        self.below_held += pool_below_held(self.engine)
+        self.below_held += pool_below_held(self.engine, self.twin)
         blocks = self.engine.allocator.num_blocks
         self.pool = (min(self.pool[0], blocks), max(self.pool[1], blocks))
         self._stuck(rec.oom)
@@ -195,32 +198,32 @@ class FaultRun:
         if not stuck:
             self.stuck_since = None
         elif self.stuck_since is None:
-            self.stuck_since = self.backend.now()
+            self.stuck_since = self.twin.now()
 
     def _apply_due(self) -> None:
-        now = self.backend.now() - self.t0
+        now = self.twin.now() - self.t0
         while self.next.t <= now:
             fault, self.next = self.next, next(self.faults)
             self.applied.append(fault)
             if fault.kind == "external":
                 self.wanted = fault.sizes[0]
             elif fault.kind == "fragment":
-                self.backend.memory.fragment(fault.sizes)
+                self.twin.memory.fragment(fault.sizes)
             else:
-                self.backend.armed += 1
-        if self.backend.memory.external != self.wanted:
-            self.external_max = max(self.external_max, self.backend.set_external(self.wanted))
+                self.injector.armed += 1
+        if self.twin.memory.external != self.wanted:
+            self.external_max = max(self.external_max, self.twin.set_external(self.wanted))
 
     def counters(self, requests: int, error: str | None) -> dict[str, Any]:
         e = self.engine
         done = [s for s in self.finished if s.finish_reason == "length" and len(s.output_ids) == s.max_tokens]
-        duration = self.backend.now() - self.t0
+        duration = self.twin.now() - self.t0
         return {
             "completed": len(done),
             "lost": requests - len(done),
             "rejected": self.rejected,
             "ooms": e.ooms,
-            "ooms_injected": self.backend.injected,
+            "ooms_injected": self.injector.injected,
             "ooms_recovered": e.ooms_recovered,
             "unrecovered_ooms": e.ooms - e.ooms_recovered + (error is not None),
             "pool_below_held": self.below_held,

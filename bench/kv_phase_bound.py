@@ -44,18 +44,14 @@ from __future__ import annotations
 import argparse
 import random
 from itertools import product
-from pathlib import Path
 
-from bench.controller_acceptance import load
 from bench.harness.report import Stamp, write_report
+from bench.seed_matrix import MATRIX_DIR, load_matrix
 from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.backends.twin.profile import DEFAULT_PROFILE, load_profile
 
-ROOT = Path(__file__).resolve().parents[1]
-
 CLIENTS, REQUESTS, PROMPT, OUTPUT, POOL, BLOCK = 16, 80, 256, 1024, 64, 256
 ROUNDS = REQUESTS // CLIENTS
-MATRIX = ROOT / "bench/results/matrix"
 POINT = (CLIENTS, PROMPT, OUTPUT)
 # Small instances (clients, pool, block, rounds; prompt one block, output four) for checking the bound
 # against the exact optimum: in each, some requests wait in the last segment and the early/late pair
@@ -178,7 +174,7 @@ def search(seed: int, samples: int) -> tuple[int, int, list[float]]:
 
 
 def twin_point(policy: str, blocks: int) -> dict:
-    return load(MATRIX / f"{policy}_{blocks}.json")[1][POINT]
+    return load_matrix(MATRIX_DIR / f"{policy}_{blocks}.json")[1][POINT]
 
 
 def main() -> None:

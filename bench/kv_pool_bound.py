@@ -23,20 +23,18 @@ allocator and the idle footprint without the pool, in blocks. Its column bounds 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 from bench.harness.report import Stamp, write_report
-from bench.seed_matrix import num_requests
+from bench.seed_matrix import MATRIX_DIR, Point, geomean, load_matrix, num_requests
+from engine.backends.twin.backend import as_twin
 from engine.backends.twin.latency import LatencyModel, StepWork
 from engine.cli import engine_config
 from engine.factory import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]
-MATRIX = ROOT / "bench/results/matrix"
 PREFILL_CHUNK = 2048
-Point = tuple[int, int, int]
 
 
 def block_steps(inp: int, out: int, block: int) -> int:
@@ -65,21 +63,13 @@ def largest_pool(sensors: str) -> tuple[int, int, LatencyModel]:
     engine = build_engine(engine_config(["--backend", "twin", "--twin-sensors", sensors]))
     s = engine.policy.state()["kv_pool"]["start_up"]
     free = s["capacity"] - s["external"] - s["idle_without_pool"]
-    return free // s["block_bytes"], engine.backend.block_size, engine.backend.latency
-
-
-def load(path: Path) -> dict[Point, dict]:
-    return {(p["concurrency"], p["input_len"], p["output_len"]): p for p in json.loads(path.read_text())["points"]}
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
+    return free // s["block_bytes"], engine.backend.block_size, as_twin(engine.backend).latency
 
 
 def report(run: Path) -> list[str]:
-    sensors = json.loads(run.read_text()).get("twin_sensors", "ideal")  # the run's own
-    top, block, latency = largest_pool(sensors)
-    got, seed = load(run), load(MATRIX / "seed-static_64.json")
+    doc, got = load_matrix(run)
+    top, block, latency = largest_pool(doc.get("twin_sensors", "ideal"))  # the run's own sensors
+    seed = load_matrix(MATRIX_DIR / "seed-static_64.json")[1]
     lines = [
         f"Run: `{run.relative_to(ROOT) if run.is_relative_to(ROOT) else run}`; seed-static at 64 blocks from "
         "`bench/results/matrix/seed-static_64.json`. Bounds in output tokens/s (bench/kv_pool_bound.py says how).",
@@ -91,7 +81,7 @@ def report(run: Path) -> list[str]:
     ]
     wanted, best = [], []
     for point, p in got.items():
-        pool = p.get("kv_pool_peak_blocks", 64)  # runs before the pool was recorded had 64
+        pool = p.get("kv_pool_peak_blocks", 64)  # a JSON without the field ran on the 64-block pool
         n = num_requests(point)
         ran, ceiling = point_bound(latency, point, n, pool, block), point_bound(latency, point, n, top, block)
         s = seed[point]["output_throughput"]
@@ -112,7 +102,7 @@ def report(run: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", type=Path, default=MATRIX / "adaptive_sized.json")
+    ap.add_argument("--run", type=Path, default=MATRIX_DIR / "adaptive_sized.json")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     write_report(args.out, report(args.run.resolve()), Stamp("python -m bench.kv_pool_bound"))

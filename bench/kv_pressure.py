@@ -25,6 +25,7 @@ from bench.harness.report import Stamp, write_report
 from bench.kv_pool_bound import point_bound
 from bench.loadgen import run_closed_loop
 from bench.seed_matrix import num_requests
+from engine.backends.twin.backend import as_twin
 from engine.cli import add_config_flags, config_from_args
 from engine.config import EngineConfig
 from engine.core.batch import SchedulerOutput
@@ -92,7 +93,7 @@ def measure(cfg: EngineConfig, point: tuple[int, int, int]) -> dict[str, float]:
     run = run_closed_loop(engine, con, n, inp, out, fast=False)
     seqs = run.sequences
     pre = [s.num_preemptions for s in seqs]
-    bound = point_bound(engine.backend.latency, point, n, log.pool, engine.allocator.block_size)
+    bound = point_bound(as_twin(engine.backend).latency, point, n, log.pool, engine.allocator.block_size)
     return {
         "tok/s": n * out / run.duration,
         "bound tok/s": bound,

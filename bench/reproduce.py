@@ -27,14 +27,14 @@ VOLATILE_LINE = re.compile(r"^Command:|wall[ _]time|at commit", re.IGNORECASE)
 
 
 def argv_of(command: str) -> list[str]:
-    """A typed command as this interpreter runs it: `headroom ...` is `python -m engine.cli ...`; leading
+    """A typed command as this interpreter runs it: `headroom ...` is `python -m headroom.cli ...`; leading
     VAR=value words set the environment (through `env`)."""
     words = shlex.split(command)
     assignments = list(itertools.takewhile(lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w), words))
     words = words[len(assignments) :]
     prefix = ["env", *assignments] if assignments else []
     if words[0] == "headroom":
-        return [*prefix, sys.executable, "-m", "engine.cli", *words[1:]]
+        return [*prefix, sys.executable, "-m", "headroom.cli", *words[1:]]
     if words[0] == "python":
         return [*prefix, sys.executable, *words[1:]]
     return ["bash", "-c", command]

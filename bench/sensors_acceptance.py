@@ -13,27 +13,21 @@ and at least 0.95x the ideal run's output tok/s.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.external_memory import GIB, run
+from bench.external_memory import run
 from bench.harness.report import Stamp, write_report
+from bench.seed_matrix import MATRIX_DIR, Point, load_matrix
+from telemetry.units import GIB
 
-MATRIX = Path("bench/results/matrix")
 TARGET = 0.95
-Key = tuple[int, int, int]
 # The other process's points: external_memory's own workload and a seed-matrix point at concurrency 64, each
 # beside 2 and 4 GiB taken (bench/results/external_memory*.md, ideal). 6 GiB does not fit beside the engine's
 # idle footprint on a 24 GiB card: the other process never gets it all, under either sensors.
-WORKLOADS: tuple[Key, ...] = ((16, 256, 512), (64, 256, 1024))
+WORKLOADS: tuple[Point, ...] = ((16, 256, 512), (64, 256, 1024))
 TAKES_GIB = (2, 4)
 SEND_S, TAKE_AT_S, HOLD_S = 120.0, 30.0, 45.0  # virtual seconds: clients send until SEND_S, then the run drains
-
-
-def load(path: Path) -> tuple[dict, dict[Key, dict]]:
-    doc = json.loads(path.read_text())
-    return doc, {(p["concurrency"], p["input_len"], p["output_len"]): p for p in doc["points"]}
 
 
 def row(name: str, result: str, holds: bool) -> str:
@@ -42,7 +36,7 @@ def row(name: str, result: str, holds: bool) -> str:
 
 def matrix_report(realistic: Path, ideal: Path) -> tuple[list[str], list[str]]:
     """(the target rows, the section) of the seed matrix."""
-    (rdoc, real), (idoc, ide) = load(realistic), load(ideal)
+    (rdoc, real), (idoc, ide) = load_matrix(realistic), load_matrix(ideal)
     if (rdoc.get("twin_sensors"), idoc.get("twin_sensors", "ideal")) != ("realistic", "ideal"):
         raise SystemExit(f"{realistic} must be a realistic-sensor run and {ideal} an ideal one")
     ratio = {k: real[k]["output_throughput"] / ide[k]["output_throughput"] for k in ide}
@@ -100,7 +94,7 @@ class External:
         return self.sent - self.finished
 
 
-def external(point: Key, gib: float, sensors: str) -> External:
+def external(point: Point, gib: float, sensors: str) -> External:
     con, inp, out = point
     release = TAKE_AT_S + HOLD_S
     o = run(con, inp, out, SEND_S, TAKE_AT_S, HOLD_S, int(gib * GIB), ["--backend", "twin", "--twin-sensors", sensors])
@@ -202,8 +196,8 @@ def report(realistic: Path, ideal: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--realistic", type=Path, default=MATRIX / "adaptive_sized_realistic.json")
-    ap.add_argument("--ideal", type=Path, default=MATRIX / "adaptive_sized.json")
+    ap.add_argument("--realistic", type=Path, default=MATRIX_DIR / "adaptive_sized_realistic.json")
+    ap.add_argument("--ideal", type=Path, default=MATRIX_DIR / "adaptive_sized.json")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     write_report(args.out, report(args.realistic, args.ideal), Stamp("python -m bench.sensors_acceptance"))

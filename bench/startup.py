@@ -10,8 +10,8 @@ after one short completion, which touches every weight and writes the first KV b
 is the start-up's, the second what serving costs from then on. Where that memory goes comes from a
 separate in-process run of the same steps (`stages`): RSS after the interpreter, torch, the server's
 imports, the model (loaded from the warm cache and run once), the default KV pool, a 128-token prefill
-into it, and for comparison the same pool zeroed eagerly, as it was allocated before. Targets: warm start
-<= 10 s, RSS <= 1.5 GiB.
+into it, and for comparison the same pool zeroed eagerly (what a pool resident only where written saves).
+Targets: warm start <= 10 s, RSS <= 1.5 GiB.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from bench.harness import http
 from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
 from bench.harness.server import headroom
+from telemetry.units import MIB
 
 ROOT = Path(__file__).resolve().parents[1]
-MIB = 1 << 20
 START_TIMEOUT_S = 300.0
 TARGET_START_S, TARGET_RSS = 10.0, 1536 * MIB
 PROMPT_TOKENS = 128  # the stages' prefill

@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 from bench.harness.report import Stamp, write_report
+from bench.seed_matrix import load_matrix, matrix_points
 from engine.backends.twin.profile import DEFAULT_PROFILE, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,10 +156,6 @@ LONG_MISS_CANDIDATES = [
 ]
 
 
-def key(p: dict) -> tuple[int, int, int]:
-    return p["concurrency"], p["input_len"], p["output_len"]
-
-
 def rel(twin: float, seed: float) -> float:
     return (twin - seed) / seed
 
@@ -266,13 +263,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     stamp = Stamp("python -m bench.twin_fidelity")
-    doc = json.loads(args.matrix.read_text())
-    points = {key(p): p for p in doc["points"]}
+    points = load_matrix(args.matrix)[1]
     rel_path = args.matrix.resolve().relative_to(ROOT)
     old = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{args.before_commit}:{rel_path}"], capture_output=True, text=True, check=True
     ).stdout
-    before = {key(p): p for p in json.loads(old)["points"]}
+    before = matrix_points(json.loads(old))
     rows = load_profile(DEFAULT_PROFILE).section("calibration")["single_stream"]
     table, errors = single_stream(points, rows)
     changes = [rel(points[k]["output_throughput"], before[k]["output_throughput"]) for k in HELD_OUT_MISSES]

@@ -8,14 +8,12 @@ It reads the two matrix runs (`headroom bench matrix --backend twin --policy ada
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from bench.harness.report import Stamp, write_report
-from bench.sensors_acceptance import MATRIX, load
+from bench.seed_matrix import MATRIX_DIR, geomean, load_matrix
 from engine.backends.twin.profile import load_profile
-
-MIB = 1 << 20
+from telemetry.units import MIB
 
 
 def hypotheses() -> list[str]:
@@ -33,14 +31,14 @@ def hypotheses() -> list[str]:
 
 
 def report(tp1: Path, tp2: Path) -> list[str]:
-    (doc1, one), (doc2, two) = load(tp1), load(tp2)
+    (doc1, one), (doc2, two) = load_matrix(tp1), load_matrix(tp2)
     if doc1.get("twin_sensors") != doc2.get("twin_sensors"):
         raise SystemExit(f"{tp1} and {tp2} must use the same sensors")
     block_tokens = int(doc1["block_size"])
     card_block = load_profile().section("model")["kv_bytes_per_token"] * block_tokens
     ratio = {k: two[k]["output_throughput"] / one[k]["output_throughput"] for k in one}
     failed, ooms = sum(p["failed"] for p in two.values()), sum(p["ooms"] for p in two.values())
-    geomean = math.exp(sum(math.log(x) for x in ratio.values()) / len(ratio))
+    mean = geomean(ratio.values())
     low, high = min(ratio, key=ratio.get), max(ratio, key=ratio.get)
     holds = len(two) == 30 and failed + ooms == 0
     lines = [
@@ -59,7 +57,7 @@ def report(tp1: Path, tp2: Path) -> list[str]:
         f"| 30/30 points, 0 failed, 0 OOMs at TP=2 | {len(two)} points, failed {failed}, OOMs {ooms} "
         f"| {'yes' if holds else 'NO'} |",
         "",
-        f"Output tok/s TP=2 / TP=1: geometric mean {geomean:.2f}x; lowest {ratio[low]:.2f}x at {low}; highest "
+        f"Output tok/s TP=2 / TP=1: geometric mean {mean:.2f}x; lowest {ratio[low]:.2f}x at {low}; highest "
         f"{ratio[high]:.2f}x at {high}.",
         "",
         "KV capacity: the largest pool a point ran with, in tokens, and in MiB on each card (a TP=2 block holds half "
@@ -85,7 +83,7 @@ def report(tp1: Path, tp2: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, run in (("--tp1", "adaptive_sized_realistic"), ("--tp2", "adaptive_sized_realistic_tp2")):
-        ap.add_argument(flag, type=Path, default=MATRIX / f"{run}.json", help=f"default: the {run} matrix run")
+        ap.add_argument(flag, type=Path, default=MATRIX_DIR / f"{run}.json", help=f"default: the {run} matrix run")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     write_report(args.out, report(args.tp1, args.tp2), Stamp("python -m bench.twin_tp", argv))

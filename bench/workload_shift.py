@@ -38,8 +38,8 @@ from engine.core.batch import SchedulerOutput
 from engine.core.llm_engine import LLMEngine
 from engine.factory import build_engine
 from telemetry.record import StepRecord
+from telemetry.units import MIB
 
-MIB = 1 << 20
 # The limits memory sets (judged for settling and oscillation) and the trust-region caps, which follow
 # demand (in slow start a cap is 2x the largest batch that ran cleanly: it moves when demand reaches a
 # new high, not when memory changes); reported beside them.
@@ -84,14 +84,14 @@ class Recorder:
         """(scale x usable MiB, room MiB, idle floor): usable is what admission packs the step's own peak
         against; room = capacity - external - idle - headroom is the device budget above the idle floor,
         which the step's peak plus what the previous step retained must fit."""
-        b = self.pol.budget.budget
+        b = self.pol.memory.budget.budget
         if not b.known:
             return float("inf"), float("inf"), 0
         return self.pol.law.scale * b.usable / MIB, (b.free + b.retained - b.headroom) / MIB, b.idle
 
     def _cut_count(self) -> int:
         c = self.pol.counters
-        return c["chunks"] + c["deferrals"]
+        return c.chunks + c.deferrals
 
     def __call__(self, rec: StepRecord, batch: SchedulerOutput) -> None:
         pol, cuts = self.pol, self._cut_count()

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 
 from telemetry.record import MemorySample
+from telemetry.units import MIB
 
-MIB = float(1 << 20)
 _EXTERNAL_WINDOW = 256  # sampled steps over which the largest outside-allocator usage counts
 
 

@@ -73,7 +73,7 @@ class ControllerConfig:
     kv_floor_step: float = _gain(0.05, "fraction of max_tokens", 0.0, 1.0, "floor rise when churn is over")
     kv_preempt_swap: bool = _gain(True, "bool", 0, 1, "preempt by swap to host where the backend can")
 
-    # --- KV pool sizing (controller/kv_pool.py; only without --num-blocks) ------------------------------
+    # --- KV pool sizing (controller/pool_rules.py; only without --num-blocks) ---------------------------
     pool_reserve_tokens: int = _gain(1024, "tokens", 1, 1 << 20, "profiled prefill step the pool leaves room for")
     pool_min_reserve_tokens: int = _gain(256, "tokens", 1, 1 << 20, "prefill the pool leaves room for while KV binds")
     pool_hysteresis_mib: float = _gain(256.0, "MiB", 0.0, 65536.0, "room beyond one block before the pool grows")

@@ -1,14 +1,23 @@
-"""The controller's decision log: the last DECISIONS_KEPT actions with their reasons, for GET /controller/state."""
+"""The controller's decision log: the last DECISIONS_KEPT actions with their reasons, for GET /controller/state.
+The parts of the policy (the law, the pool sizer) return their decisions as values; the policy logs them
+stamped with its step."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 DECISIONS_KEPT = 50
 
 Reason = str | Callable[[], str]  # a function formats the reason when state() reads the log
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str
+    reason: Reason
 
 
 def new_log() -> deque[dict[str, Any]]:

@@ -26,8 +26,8 @@ from collections import deque
 from operator import getitem, mul
 
 from telemetry.record import StepShape
+from telemetry.units import MIB
 
-MIB = float(1 << 20)
 FEATURES = ("intercept", "prefill_tokens", "prefill_seqs", "decode_seqs", "sum_context", "prefill_attn", "sampled_seqs")
 # Feature scales: a typical large value of each, so scaled features are O(1).
 SCALES = (1.0, 1024.0, 8.0, 64.0, 16384.0, float(1 << 22), 64.0)
@@ -241,8 +241,8 @@ class PeakEstimator:
 
     def _rls(self, x: list[float], y: float) -> None:
         """One RLS step with forgetting, in plain lists (see the module docstring for why). Hot: on a slow
-        CPU it is a third of a learning step, so no `zip(strict=...)` in the loops (the keyword call costs
-        ~0.5 us per zip here; the lengths are equal by construction) and no multiplies by a scale of 1."""
+        CPU it is a third of a learning step, so no `zip(strict=...)` in the loops (its keyword call is paid
+        on every zip, and the lengths are equal by construction) and no multiplies by a scale of 1."""
         P, th, lam, n = self.P, self.theta, self.forgetting, self.n
         Px = [sum(map(mul, row, x)) for row in P]
         inv = 1.0 / (lam + sum(map(mul, x, Px)))

@@ -21,15 +21,8 @@ emergency flag for `emergency_steps` steps, during which nothing grows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from controller.config import ControllerConfig
-
-
-@dataclass
-class LawEvent:
-    action: str
-    reason: str
+from controller.decisions import Decision
 
 
 class ControlLaw:
@@ -68,12 +61,12 @@ class ControlLaw:
         prefill_tokens: int,
         decode_seqs: int,
         memory_bound: bool,
-    ) -> list[LawEvent] | None:
+    ) -> list[Decision] | None:
         """One step's feedback. `peak_mib` is None when the step was not sampled; `memory_bound` is True
         when admission cut a chunk or deferred work on the step. Returns the events, if any."""
         cfg = self.cfg
         self.step = step
-        events: list[LawEvent] | None = None
+        events: list[Decision] | None = None
         if oom:
             return [self._oom(prefill_tokens, decode_seqs)]
         near = peak_mib is not None and usable_mib is not None and peak_mib > cfg.backoff_threshold * usable_mib
@@ -86,7 +79,7 @@ class ControlLaw:
                     if near
                     else "allocator retry (cache flush)"
                 )
-                return [LawEvent("backoff", f"{why}: scale -> {self.scale:.3f}")]
+                return [Decision("backoff", f"{why}: scale -> {self.scale:.3f}")]
             self.clean_steps = 0
             return None
         self.clean_steps += 1
@@ -104,18 +97,18 @@ class ControlLaw:
             self.scale = min(1.0, self.scale + cfg.recovery_step)
             self.recoveries += 1
             if self.scale >= 1.0:
-                events = [LawEvent("recovered", "scale back to 1.0 after clean memory-bound steps")]
+                events = [Decision("recovered", "scale back to 1.0 after clean memory-bound steps")]
         # caps: trust region over the largest clean batch
         if peak_mib is not None or not self.slow_start:
             self._grow_caps(prefill_tokens, decode_seqs)
         return events
 
-    def _oom(self, prefill_tokens: int, decode_seqs: int) -> LawEvent:
+    def _oom(self, prefill_tokens: int, decode_seqs: int) -> Decision:
         """A hard backoff, and no growth for emergency_steps."""
         self._backoff(self.cfg.oom_backoff, prefill_tokens, decode_seqs, hard=True)
         self.emergency_until = self.step + self.cfg.emergency_steps
         self.oom_backoffs += 1
-        return LawEvent(
+        return Decision(
             "oom_backoff",
             f"OOM on a step of {prefill_tokens} prefill tokens and {decode_seqs} decodes: scale -> "
             f"{self.scale:.3f}, prefill cap -> {self.prefill_cap}, decode cap -> {self.decode_cap}",

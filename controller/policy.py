@@ -1,10 +1,16 @@
-"""The interface between the scheduler (engine) and whatever decides its limits: before each step the policy
-publishes a StepBudget (its limits and pure fit functions, controller/step_budget.py); after it, observe() reads
-the step's record and what the fit functions cut."""
+"""The interface between the engine and whatever decides its limits: before each step the policy publishes a
+StepBudget (its limits and pure fit functions, controller/step_budget.py); after it, observe() reads the step's
+record and what the fit functions cut.
+
+Everything the engine asks of a policy is declared here, so the engine never probes a policy for optional
+attributes, and every answer is a value: a pool decision (PoolTarget) is handed whole to the engine, and back
+to the policy with what came of it (PoolResize), so no part of it waits in the policy for a later call; an OOM
+decision (OomDecision) is applied by the engine, never by the policy reaching into it."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 from controller.limits import Limits
 from controller.step_budget import NO_CUTS, MemoryCuts, StepBudget
@@ -12,8 +18,60 @@ from telemetry.controller_stats import ControllerStats
 from telemetry.record import MemorySample, StepRecord
 
 
+@dataclass(frozen=True, slots=True)
+class PoolProfile:
+    """The start-up profiling steps a policy sizes the KV pool from (engine/core/kv_pool.py runs them): a
+    prefill of `prefill_tokens` prompt tokens, twice, then a decode of `decode_rows` sequences."""
+
+    prefill_tokens: int
+    decode_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolTarget:
+    """One pool decision, whole. `num_blocks`: the size to resize to, giving back free blocks only (the engine
+    never goes below the blocks in use nor below its largest admitted request). `must_reach`: where not None,
+    the size the pool must reach even below the blocks in use, by preempting running sequences newest first
+    (the last resort: the steps would otherwise run out of memory)."""
+
+    num_blocks: int
+    reason: str
+    must_reach: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolResize:
+    """What the engine made of a PoolTarget: the pool went from `old` to `new` blocks (`error`: the backend
+    could not resize, and `new` is `old`), after preempting `preempted` running sequences."""
+
+    target: PoolTarget
+    old: int
+    new: int
+    error: str | None = None
+    preempted: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return self.error is None and self.new != self.old
+
+
+@dataclass(frozen=True, slots=True)
+class OomDecision:
+    """What the engine does after a step ran out of memory: `stop` None runs the step's work again under the
+    limits observe() backs off (no request is lost); a reason stops the engine, failing every request and
+    refusing new ones, as an engine whose worker dies on an OOM does."""
+
+    stop: str | None = None
+
+
+RECOVER = OomDecision()
+
+
 class Policy(Protocol):
     name: str
+    # The Scheduler subclass that packs the steps (a baseline's engine rules, engine/baselines/); None: the
+    # engine's own Scheduler, which the controller cannot name.
+    scheduler_class: ClassVar[type | None] = None
 
     def limits(self) -> Limits:
         """The limits of the next step (the budget's); the step's record carries them."""
@@ -38,19 +96,27 @@ class Policy(Protocol):
         output carries the cuts); called after every step, OOM steps included."""
         ...
 
-    def kv_pool_target(self, memory: MemorySample) -> int | None:
-        """Before each step: the KV pool size to resize to now, or None to keep it (always None unless the
-        policy sizes the pool). `memory` is the probe's latest sample."""
+    def on_oom(self) -> OomDecision:
+        """A step ran out of memory: recover (the default) or stop the engine. observe() then gets the step's
+        record either way."""
+        return RECOVER
+
+    def kv_pool_profile(self) -> PoolProfile | None:
+        """The profiling steps this policy sizes the KV pool from at start-up; None: it never sizes the pool."""
         ...
 
-    def kv_pool_preempt_target(self) -> int | None:
-        """After kv_pool_target asked for a shrink: the pool size to reach even below the blocks in use, by
-        preempting running sequences (the last resort), or None to give back free blocks only."""
+    def kv_pool_start(self, num_blocks: int, block_bytes: int, samples: list[MemorySample]) -> PoolTarget:
+        """Take over the pool: `samples` are what the kv_pool_profile() steps measured with `num_blocks` blocks
+        of `block_bytes`. Returns the size to start with; the engine reports the resize to observe_pool."""
         ...
 
-    def observe_pool(self, old: int, new: int, error: str | None = None, preempted: int = 0) -> None:
-        """The engine resized the pool from `old` to `new` blocks, or could not (`error`); `preempted`
-        running sequences were preempted first because the target was below the blocks in use."""
+    def kv_pool_target(self, memory: MemorySample) -> PoolTarget | None:
+        """Before each step: the pool decision to carry out now, or None to keep the pool (always None unless
+        the policy sizes the pool). `memory` is the probe's latest sample."""
+        ...
+
+    def observe_pool(self, resize: PoolResize) -> None:
+        """What came of a PoolTarget (kv_pool_start's or kv_pool_target's)."""
         ...
 
     def state(self) -> dict:
@@ -66,8 +132,9 @@ class Policy(Protocol):
         ...
 
 
-class StaticPolicy:
-    """Base for policies whose limits never move: everything fits that the limits allow."""
+class StaticPolicy(Policy):
+    """Base for policies whose limits never move: everything fits that the limits allow, and the pool stays
+    the size it was built with."""
 
     name = "static"
 
@@ -90,13 +157,16 @@ class StaticPolicy:
     def observe_finished(self, output_len: int, max_tokens: int, reason: str) -> None:
         return None
 
-    def kv_pool_target(self, memory: MemorySample) -> int | None:
+    def kv_pool_profile(self) -> PoolProfile | None:
         return None
 
-    def kv_pool_preempt_target(self) -> int | None:
+    def kv_pool_start(self, num_blocks: int, block_bytes: int, samples: list[MemorySample]) -> PoolTarget:
+        return PoolTarget(num_blocks, f"policy {self.name!r} keeps the pool it starts with")
+
+    def kv_pool_target(self, memory: MemorySample) -> PoolTarget | None:
         return None
 
-    def observe_pool(self, old: int, new: int, error: str | None = None, preempted: int = 0) -> None:
+    def observe_pool(self, resize: PoolResize) -> None:
         return None
 
     def state(self) -> dict:

@@ -1,25 +1,17 @@
-"""The `headroom` console script: generate, serve, bench.
-
-Flags come from the config dataclasses (engine/config.py): each field is one flag, documented once there.
-"""
+"""The command line's engine side: flags built from the config dataclasses (engine/config.py: each field is one
+flag, documented once there) and the `generate` command. The `headroom` script itself is headroom/cli.py."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import sys
 import typing
 from functools import partial
 from typing import Any, TypeVar
 
 from engine.config import ConfigError, EngineConfig
-from engine.openmp import reexec_with_intel_openmp
 
 C = TypeVar("C")
-
-# Subcommands living beside what they drive; each module has `register(subparsers)`.
-COMMAND_MODULES = ("engine.serving.cli", "bench.cli")
 
 
 def add_config_flags(p: argparse.ArgumentParser, cls: type, **defaults: Any) -> None:
@@ -72,27 +64,11 @@ def _generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="headroom", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate one completion offline")
+def register(subparsers: Any) -> None:
+    g = subparsers.add_parser("generate", help="generate one completion offline")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="render the prompt through the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     add_config_flags(g, EngineConfig, policy="fixed")
     g.set_defaults(func=partial(_generate, g))
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # a command line, not a call from Python: the process is ours to re-execute
-        reexec_with_intel_openmp()
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,8 +8,9 @@ from controller.policy import Policy
 from engine.baselines.seed import FixedPolicy, SeedStaticPolicy
 from engine.baselines.vllm import VllmPolicy
 from engine.config import EngineConfig
+from engine.core.backend import Backend
 from engine.core.faults import OOMInjector
-from engine.core.llm_engine import Backend, LLMEngine
+from engine.core.llm_engine import LLMEngine
 from telemetry.probes.cgroup import cgroup_limit
 
 
@@ -29,12 +30,9 @@ def build_policy(cfg: EngineConfig) -> Policy:
 
 # The controller's defaults on every CPU plant. The CPU probe counts tensor bytes exactly (telemetry/probes/
 # cpu.py): none of the CUDA caching allocator's 2 MiB and 20 MiB segment rounding, which the 16 MiB default
-# margin floor covers. There the floor, under each step's bound and under what a step retains, took 48 of
-# the 50 MiB the sized pool leaves for steps (default model, float32, 4 GiB); admission's threshold was
-# 1 MiB, so `bench/cgroup_plant.py`'s burst of 8 prompts of 1536 tokens went through in 32-token chunks. In
-# a 4 GiB memory cgroup (`--limit 4GiB`, once each) adaptive took 180 s with the 16 MiB floor and 52 s with
-# 1 MiB, where `fixed` took 56-59 s; the same load under `--device-memory 4GiB` in process, 176 s and 51 s
-# (chunks of 800-960 tokens).
+# margin floor covers. On a small CPU plant that floor, held under each step's bound and under what a step
+# retains, takes nearly all the room a sized pool leaves for steps, so a burst of long prompts goes through in
+# chunks of a few dozen tokens and takes several times as long as with 1 MiB (bench/results/cgroup_plant.md).
 CPU_CONTROLLER_DEFAULTS: dict[str, float] = {"margin_floor_mib": 1.0}
 
 # And on a CPU whose memory is not a bound (`memory_bounded`). Its memory law lets a burst of prompts into
@@ -124,12 +122,13 @@ def sizes_kv_pool(cfg: EngineConfig) -> bool:
 
 def build_engine(cfg: EngineConfig) -> LLMEngine:
     policy = build_policy(cfg)
-    if not sizes_kv_pool(cfg):
+    wanted = policy.kv_pool_profile() if sizes_kv_pool(cfg) else None
+    if wanted is None:
         return LLMEngine(build_backend(cfg), policy, cfg.enable_prefix_caching)
     from engine.core.kv_pool import profile_blocks, size_kv_pool
 
     block_size = cfg.block_size or _default_block_size(cfg)
-    start = profile_blocks(policy.cfg.pool_reserve_tokens, block_size)
+    start = profile_blocks(wanted.prefill_tokens, block_size)
     backend = build_backend(dataclasses.replace(cfg, num_blocks=start, block_size=block_size))
     engine = LLMEngine(backend, policy, cfg.enable_prefix_caching)
     size_kv_pool(engine)

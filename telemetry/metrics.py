@@ -170,11 +170,6 @@ class Metrics:
             "headroom_alloc_retries", "Allocator retries (cache flushed and retried)."
         ).labels(name)
         self._alloc_retries_last = 0
-        self.probe_overhead = f.counter(
-            "headroom_probe_overhead_seconds", "Time the memory probe spent measuring (CPU tracker)."
-        ).labels(name)
-        self.probe_sampled = f.counter("headroom_probe_sampled_steps", "Steps the probe measured.").labels(name)
-        self._probe_last = (0.0, 0)
 
     def _init_controller(self, f: _Family) -> None:
         name = self.model_name
@@ -250,20 +245,6 @@ class Metrics:
         self._limit_set = set(finite)
         if record.ranks:
             self.ranks.observe(record.ranks)
-
-    def observe_probe(self, probe: object) -> None:
-        """The probe's own cost, for probes that track it (CpuProbe: `overhead_seconds`,
-        `sampled_steps`); others are ignored. Cheap enough to call every step or at scrape time."""
-        overhead = getattr(probe, "overhead_seconds", None)
-        sampled = getattr(probe, "sampled_steps", None)
-        if overhead is None or sampled is None:
-            return
-        last_overhead, last_sampled = self._probe_last
-        if overhead > last_overhead:
-            self.probe_overhead.inc(overhead - last_overhead)
-        if sampled > last_sampled:
-            self.probe_sampled.inc(sampled - last_sampled)
-        self._probe_last = (max(overhead, last_overhead), max(sampled, last_sampled))
 
     def observe_controller(self, stats: ControllerStats) -> None:
         """The policy's stats: gauges as given (None: not set), counters by the delta of the cumulative

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them on a command line ("2GiB", "1.5GiB", "512MiB", "1e9", 4096) -> int.
+"""Byte units (KIB, MIB, GIB, TIB), and byte sizes as people write them on a command line ("2GiB", "1.5GiB",
+"512MiB", "1e9", 4096) -> int.
 
 Kept here (not in engine/) because probes and metrics talk bytes and `--device-memory` feeds a probe.
 """
@@ -7,19 +8,26 @@ from __future__ import annotations
 
 import re
 
+# The binary units, the one place they are defined: every module that turns bytes into MiB or GiB imports
+# these. Ints, so `n * MIB` stays a whole number of bytes; `x / MIB` is float division all the same.
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+TIB = 1 << 40
+
 _UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
     # IEC (binary) units, what memory sizes are normally meant in.
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
+    "kib": KIB,
+    "mib": MIB,
+    "gib": GIB,
+    "tib": TIB,
     # Bare letters follow the docker/k8s-memory habit: binary.
-    "k": 1 << 10,
-    "m": 1 << 20,
-    "g": 1 << 30,
-    "t": 1 << 40,
+    "k": KIB,
+    "m": MIB,
+    "g": GIB,
+    "t": TIB,
     # SI (decimal) units, for when someone copies a marketing number.
     "kb": 10**3,
     "mb": 10**6,

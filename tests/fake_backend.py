@@ -5,16 +5,16 @@ changes the output."""
 
 from __future__ import annotations
 
-import time
-
+from engine.core.backend import BackendDefaults, BackendInfo
 from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
 from telemetry.probes.null import NullProbe
 
 
-class FakeBackend:
+class FakeBackend(BackendDefaults):
     model_name = "fake"
     tokenizer = None
+    vocab_size = 1000  # its tokens are 1..997
 
     def __init__(
         self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 512, eos: int = 0, can_swap: bool = False
@@ -28,6 +28,10 @@ class FakeBackend:
         self.steps: list[SchedulerOutput] = []
         self.host: dict[str, list[list[int]]] = {}  # swapped-out requests' slots, by request id
         self.dropped: list[str] = []  # requests the scheduler said finished
+
+    @property
+    def block_bytes(self) -> int:
+        return 8 * self.block_size  # a slot holds one int
 
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
         self.steps.append(batch)
@@ -68,8 +72,8 @@ class FakeBackend:
                 self.slots[b * bs : (b + 1) * bs] = saved
         return 0.0
 
-    def now(self) -> float:
-        return time.monotonic()
-
     def recover_from_oom(self) -> None:
         return None
+
+    def info(self) -> BackendInfo:
+        return BackendInfo("none", "none", "fake", "a list of slots")

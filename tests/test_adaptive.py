@@ -3,13 +3,17 @@ and a closed loop through the real scheduler with a synthetic memory plant (no t
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import random
+from pathlib import Path
 
 from controller.adaptive import AdaptivePolicy
 from controller.admission import decodes_that_fit
 from controller.config import ControllerConfig
 from controller.kv_reservation import KVReservation
 from controller.limits import Limits
+from controller.policy import Policy
 from controller.step_budget import Packer
 from engine.core.batch import ModelOutput
 from engine.core.kv_cache import BlockAllocator
@@ -17,8 +21,9 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from telemetry.record import MemorySample, StepRecord, StepShape
+from telemetry.units import MIB
 
-MIB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
 CAPACITY = 24 * 1024 * MIB
 IDLE = 21 * 1024 * MIB
 
@@ -86,12 +91,60 @@ def test_protocol_surface_and_state() -> None:
     assert abs(st["estimator"]["coefficients"]["prefill_tokens"] / MIB - 0.5) < 0.05
 
 
+# GET /controller/state's counters, in order: tests/test_server.py, dashboards/ and docs/ read them
+STATE_COUNTERS = [
+    "steps",
+    "backoffs",
+    "deferrals",
+    "chunks",
+    "preemptions",
+    "ooms_recovered",
+    "rejected_too_long",
+    "estimator_resets",
+    "kv_pool_resizes",
+    "kv_pool_preemptions",
+]
+STATS_COUNTERS = ("backoffs", "deferrals", "chunks", "ooms_recovered", "rejected_too_long", "kv_pool_resizes")
+
+
+def test_counters_are_typed_and_state_and_stats_show_the_same_fields() -> None:
+    """Issue #43: the counters were a string-keyed dict, copied by hand into the typed stats. Now a dataclass;
+    GET /controller/state shows its fields under the keys it always had, stats() the same values."""
+    pol = AdaptivePolicy()
+    step = train(pol)
+    pol.observe(record(step, prefill(512), 100.0, oom=True))
+    assert dataclasses.is_dataclass(pol.counters)
+    counters = pol.state()["counters"]
+    assert list(counters) == STATE_COUNTERS and counters == dataclasses.asdict(pol.counters)
+    assert counters["steps"] == step and counters["ooms_recovered"] == counters["backoffs"] == 1
+    stats = pol.stats()
+    assert {k: getattr(stats, k) for k in STATS_COUNTERS} == {k: counters[k] for k in STATS_COUNTERS}
+
+
+def test_the_policy_is_composed_of_parts_and_none_reaches_into_another() -> None:
+    """Issue #43: the pool methods were a mixin reading the policy's private fields (its step, the last pool
+    reason). Now each concept is a part the policy owns and calls; no code in controller/ reads a private
+    field of any object but its own."""
+    assert AdaptivePolicy.__bases__ == (Policy,)
+    reached = []
+    for path in sorted((ROOT / "controller").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not reached, reached
+
+
 def test_unsampled_records_are_not_learnt_but_ooms_count() -> None:
     pol = AdaptivePolicy()
     step = train(pol)
-    n = pol.estimator.total_samples
+    n = pol.memory.estimator.total_samples
     pol.observe(record(step, prefill(512), 9999.0, sampled=False))
-    assert pol.estimator.total_samples == n
+    assert pol.memory.estimator.total_samples == n
     pol.observe(record(step + 1, prefill(512), 100.0, oom=True, sampled=False))
     st = pol.state()
     assert st["counters"]["ooms_recovered"] == 1 and st["law"]["scale"] == 0.5 and st["emergency"]
@@ -102,9 +155,9 @@ def test_oom_backs_off_and_learns_the_lower_bound() -> None:
     pol = AdaptivePolicy()
     step = train(pol, per_token=0.5)
     big = prefill(2000)
-    before = pol.estimator.predict(big)
+    before = pol.memory.estimator.predict(big)
     pol.observe(record(step, big, 500.0, oom=True))  # died at the limit: at least the free memory
-    assert pol.estimator.predict(big) > before
+    assert pol.memory.estimator.predict(big) > before
     assert pol.law.scale == 0.5 and pol.limits().max_prefill_tokens <= 1000
     assert pol.limits().max_prefill_seqs == 1  # emergency: one prompt per step
 
@@ -113,7 +166,7 @@ def test_fit_chunk_respects_the_budget() -> None:
     pol = AdaptivePolicy()
     train(pol, per_token=0.5, steps=200)
     pol.law.prefill_cap = 16384
-    usable = pol.budget.budget.usable_mib
+    usable = pol.memory.budget.budget.usable_mib
     assert pol.effective_prefill_tokens() == pol.state()["effective_prefill_tokens"]
     budget = pol.step_budget()
     c = budget.fit_chunk(StepShape(), 0, 16384)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.seed_matrix import SEED_MATRIX, num_requests
-from engine.cli import main
+from headroom.cli import main
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from bench.loadgen import load_trace, run_trace
 from bench.report import latency_table, metrics
 from engine.backends.twin.backend import TwinBackend
 from engine.baselines.seed import FixedPolicy
-from engine.cli import main
 from engine.core.llm_engine import LLMEngine
+from headroom.cli import main
 
 EPOCH = 1_760_000_000.25  # seconds since 1970: what vLLM writes
 

@@ -11,8 +11,7 @@ from telemetry.probes import cgroup as cgroup_mod
 from telemetry.probes import make_probe
 from telemetry.probes.cgroup import CgroupMemory, find_cgroup
 from telemetry.record import StepShape
-
-MIB = 1 << 20
+from telemetry.units import MIB
 
 
 def fake_host(tmp: Path, version: int, limit: str, usage: int, stat: str) -> tuple[Path, Path]:

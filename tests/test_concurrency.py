@@ -30,10 +30,10 @@ from engine.serving.standin import StandInTokenizer
 from telemetry.metrics import Metrics
 from telemetry.probes.null import NullProbe
 from telemetry.record import MemorySample, StepShape
+from telemetry.units import MIB
 from tests.fake_backend import FakeBackend
 from tests.inproc_server import serve_in_thread
 
-MIB = 1 << 20
 IDLE = 100 * MIB
 CAPACITY = IDLE + 1000 * MIB  # ~40 short decodes fit a step; a decode at context 1208 never does
 PROMPT = list(range(1, 9))

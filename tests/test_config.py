@@ -101,7 +101,7 @@ def test_an_invalid_value_is_named(values: dict, field: str) -> None:
     [(["--num-blokcs", "8"], "--num-blokcs"), (["--policy", "adaptive", "--max-num-seqs", "4"], "max_num_seqs")],
 )
 def test_the_cli_names_a_bad_flag(argv: list[str], named: str) -> None:
-    cmd = [sys.executable, "-m", "engine.cli", "generate", "--prompt", "x", "--backend", "twin", *argv]
+    cmd = [sys.executable, "-m", "headroom.cli", "generate", "--prompt", "x", "--backend", "twin", *argv]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and named in done.stderr
 

@@ -106,8 +106,8 @@ def test_update_config_is_atomic() -> None:
     assert pol.cfg is before and pol.law.cfg is before
     pol.update_config({"backoff": 0.5, "margin_quantile": 0.9, "headroom_frac": 0.1})
     assert pol.cfg.backoff == 0.5 and pol.law.cfg.backoff == 0.5
-    assert all(w.q == 0.9 for w in pol.estimator.windows.values())
-    assert pol.budget.headroom_frac == 0.1
+    assert all(w.q == 0.9 for w in pol.memory.estimator.windows.values())
+    assert pol.memory.budget.headroom_frac == 0.1
     assert pol.state()["config"]["backoff"] == 0.5
     assert pol.state()["decisions"][-1]["action"] == "config"
 

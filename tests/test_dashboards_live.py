@@ -168,7 +168,7 @@ def server(tmp_path_factory) -> Iterator[str]:
         pytest.skip(f"`headroom serve --backend twin --policy adaptive` needs {', '.join(missing)} (not built yet)")
     port, log = free_port(), tmp_path_factory.mktemp("server") / "server.log"
     script = Path(sys.executable).with_name("headroom")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "engine.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "headroom.cli"]
     cmd += ["serve", "--backend", "twin", "--policy", "adaptive", "--host", "127.0.0.1", "--port", str(port)]
     proc = start(cmd, log)
     url = f"http://127.0.0.1:{port}"

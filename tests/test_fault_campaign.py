@@ -11,11 +11,11 @@ import pytest
 
 from bench.fault_campaign import TARGETS, Load, campaign, drive, trace_load, twin_engine
 from bench.fault_run import ArmedOOMs, Fault, Rates, schedule
-from engine.backends.twin.allocator import MIB
 from engine.backends.twin.memory import MemoryModel, StepMemory
 from engine.backends.twin.profile import load_profile
 from engine.cli import engine_config
 from engine.factory import build_engine
+from telemetry.units import MIB
 
 DENSE = Rates(external_s=0.5, fragment_s=0.2, oom_s=1.0)  # every kind several times in a few seconds
 OFF = 1e9

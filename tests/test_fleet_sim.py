@@ -173,7 +173,7 @@ def test_stats_are_published_each_period_and_at_a_step_boundary() -> None:
 def test_summary_and_command_write_what_the_issue_asks(tmp_path) -> None:
     assert summarize(run("headroom"))["failed"] == 0
     out = tmp_path / "f.json"
-    cmd = [sys.executable, "-m", "engine.cli", "bench", "fleet", "--replicas", "2", "--seeds", "2", "--duration", "3",
+    cmd = [sys.executable, "-m", "headroom.cli", "bench", "fleet", "--replicas", "2", "--seeds", "2", "--duration", "3",
            "--routers", "default,headroom", "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     doc = json.loads(out.read_text())

@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from engine.backends.torch_backend import TorchBackend
 from engine.config import EngineConfig
 from engine.model.kernel_choice import choose_kernel, flash_attn_load_error
 from engine.serving import launch
@@ -93,6 +94,7 @@ def test_the_server_logs_which_attention_path_runs_and_why(
         block_size=choice.block_size, kernel_reason=choice.reason, num_blocks=64, max_model_len=2048, model_name="m",
         kv_layout="tensors copied on a resize (cuda-bindings is not installed)",
     )  # fmt: skip
+    backend.info = lambda: TorchBackend.info(backend)  # what the torch backend shows of these choices
     monkeypatch.setattr(launch, "build_engine", lambda cfg: SimpleNamespace(backend=backend))
     with caplog.at_level(logging.INFO, logger="headroom.server"):
         launch._load_engine(EngineConfig(device="cuda"))

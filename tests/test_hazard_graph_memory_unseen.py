@@ -41,6 +41,9 @@ class MeasuredProbe:
     def sample(self) -> object:
         return self.inner.sample()
 
+    def add_idle(self, nbytes: int) -> None:
+        self.inner.add_idle(nbytes)
+
 
 def test_hazard_graph_memory_unseen_a_capture_after_a_resize_runs_outside_the_measured_step(tiny, fake_flash):
     b = backend(tiny, num_blocks=8)

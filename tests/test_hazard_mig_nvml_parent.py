@@ -14,9 +14,9 @@ import torch
 from telemetry.probes.cuda import CudaProbe
 from telemetry.probes.nvml import NvmlProbe
 from telemetry.record import StepShape
+from telemetry.units import GIB as GiB
 from tests.test_probes import Clock, FakeCuda, FakeMemInfo, FakeNvml
 
-GiB = 1 << 30
 SLICE_UUID = "3f9c1a2e-7b4d-5e6f-8a9b-0c1d2e3f4a5b"  # as CUDA prints it: no prefix
 
 

@@ -26,7 +26,8 @@ def test_an_oom_storm_ends_and_loses_no_request() -> None:
     large pool), another process starts asking for memory before every step, and an OOM strikes when the
     short ones have finished (as bench/fault_run.py's injected ones do). Before the fix every later 1-row
     decode failed for as long as the other process held on."""
-    backend = ArmedOOMs(TwinBackend(sensors="realistic"))
+    twin = TwinBackend(sensors="realistic")
+    backend = ArmedOOMs(twin)
     engine = LLMEngine(backend, AdaptivePolicy())
     long = engine.add_request("long", filler_prompt(0, 32), SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(5):
@@ -38,7 +39,7 @@ def test_an_oom_storm_ends_and_loses_no_request() -> None:
     while engine.has_unfinished() and steps < MAX_STEPS:
         other_process |= len(engine.scheduler.running) == 4
         if other_process:
-            backend.set_external(MAX_EXTERNAL)  # it never gets all of it: it takes every free byte, every step
+            twin.set_external(MAX_EXTERNAL)  # it never gets all of it: it takes every free byte, every step
         if other_process and len(engine.scheduler.running) == 1 and not armed:
             backend.armed = armed = True
         before = engine.ooms
@@ -46,7 +47,7 @@ def test_an_oom_storm_ends_and_loses_no_request() -> None:
         steps += 1
         streak = streak + 1 if engine.ooms > before else 0
         longest = max(longest, streak)
-    assert armed and backend.memory.external > 0
+    assert armed and twin.memory.external > 0
     assert longest <= 2, f"{longest} failed steps in a row"
     assert all(s.finish_reason == "length" and len(s.output_ids) == s.max_tokens for s in seqs)
 

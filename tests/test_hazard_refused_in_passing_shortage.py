@@ -20,10 +20,9 @@ from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
 from engine.factory import build_engine
 from telemetry.record import MemorySample, StepRecord, StepShape
+from telemetry.units import GIB, MIB
 from tests.test_adaptive import CAPACITY, IDLE, prefill
 
-MIB = 1 << 20
-GIB = 1 << 30
 CONTEXT = 400 * MIB  # the CUDA context: outside the allocator all along
 LONG = SamplingParams(max_tokens=4096, ignore_eos=True)
 
@@ -45,7 +44,7 @@ def test_a_request_that_fits_the_device_waits_out_another_process_and_completes(
     # takes that too. The KV pool shrinks to what the running requests need.
     engine.backend.memory.empty_cache()
     step_while_held(engine, 4 * GIB, 50)
-    budget = engine.policy.budget
+    budget = engine.policy.memory.budget
     assert budget.budget.free_mib < 32  # not even a minimum chunk fits now ...
     assert budget.external > budget.external_floor + 3 * GIB  # ... for memory another process holds
 
@@ -85,7 +84,8 @@ def test_a_request_the_device_could_never_hold_is_still_refused(co_tenant: int) 
     for k in range(100):
         s = prefill(rng.randint(16, 256), context=rng.randint(0, 2048))
         pol.observe(record(k + 1, s, 1 + 0.5 * s.sum_context, CONTEXT + (co_tenant if k >= 50 else 0)))
-    assert pol.budget.external == CONTEXT + co_tenant and pol.budget.external_floor == CONTEXT
+    budget = pol.memory.budget
+    assert budget.external == CONTEXT + co_tenant and budget.external_floor == CONTEXT
     engine = LLMEngine(TwinBackend(), pol)
     params = SamplingParams(max_tokens=16)
     engine.add_request("waits", filler_prompt(0, 4000), params)  # it waits out the other process

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backends.twin.allocator import MIB
 from engine.backends.twin.backend import TwinBackend
 from engine.baselines.seed import FixedPolicy
 from engine.core.kv_cache import BlockAllocator
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
+from telemetry.units import MIB
 from tests.fake_backend import FakeBackend
 
 
@@ -169,8 +169,8 @@ def test_torch_resize_on_cuda_path_keeps_one_tensor_per_layer_and_empties_the_ca
 
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    b = object.__new__(TorchBackend)
-    b.device, b.num_blocks, b.block_bytes, b.probe = torch.device("cuda"), 6, 8, NullProbe(idle_bytes=48)
+    b = object.__new__(type("EightByteBlocks", (TorchBackend,), {"block_bytes": 8}))
+    b.device, b.num_blocks, b.probe = torch.device("cuda"), 6, NullProbe(idle_bytes=48)
     layers = [(torch.arange(24.0).view(6, 2, 2), -torch.arange(24.0).view(6, 2, 2)) for _ in range(3)]
     b.kv_caches = [(k.clone(), v.clone()) for k, v in layers]
     b.resize_kv(ResizePlan(3, 6, {5: 1}))

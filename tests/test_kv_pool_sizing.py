@@ -3,16 +3,21 @@ shrink when memory gets tight and grow back when the room persists, each resize 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from controller.budget import BudgetTracker
 from controller.config import ControllerConfig
-from controller.kv_pool import MIB, PoolSizer
+from controller.policy import PoolResize, PoolTarget
+from controller.pool_rules import PoolSizer
 from controller.step_budget import MemoryCuts
 from engine.cli import engine_config
 from engine.core.batch import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.factory import build_engine
 from telemetry.metrics import Metrics
+from telemetry.units import MIB
 
 
 def twin_engine(*flags: str, sensors: str = "realistic"):
@@ -29,26 +34,47 @@ def take_memory(e, nbytes: int, tries: int) -> list[int]:
     return took
 
 
-def test_sizer_shrinks_at_once_and_grows_only_after_the_room_persists():
-    cfg = ControllerConfig(pool_grow_hold=3, pool_cooldown=0, pool_hysteresis_mib=64.0)
-    s = PoolSizer(cfg)
+def sizer(cfg: ControllerConfig) -> PoolSizer:
+    """The pool rules over a budget that has seen nothing: `decide` is fed the room directly."""
+    s = PoolSizer(cfg, BudgetTracker(0.0, 0.0))
     s.start(num_blocks=100, block_bytes=32 * MIB, reserve=1024 * MIB)
-    assert s.decide(1, -1) == (99, s.decide(1, -1)[1])  # one byte short: one block
-    assert s.decide(1, -70 * MIB)[0] == 97
+    return s
+
+
+def test_sizer_shrinks_at_once_and_grows_only_after_the_room_persists():
+    s = sizer(ControllerConfig(pool_grow_hold=3, pool_cooldown=0, pool_hysteresis_mib=64.0))
+    assert s.decide(1, -1).num_blocks == 99  # one byte short: one block
+    assert s.decide(1, -70 * MIB).num_blocks == 97
     assert s.decide(1, 90 * MIB) is None  # inside the band: one block + 64 MiB
     assert [s.decide(k, 200 * MIB) for k in (2, 3)] == [None, None]
-    target, reason = s.decide(4, 200 * MIB)
-    assert target == 106 and "persisted" in reason
-    s.resized(4, 106, ok=True)
+    target = s.decide(4, 200 * MIB)
+    assert target.num_blocks == 106 and "persisted" in target.reason and target.must_reach is None
+    s.resized(4, PoolResize(target, 100, 106))
     assert (s.num_blocks, s.resizes) == (106, 1)
 
 
 def test_sizer_preempts_only_for_a_shortfall_the_reserve_cannot_absorb():
-    s = PoolSizer(ControllerConfig())
-    s.start(num_blocks=100, block_bytes=32 * MIB, reserve=1024 * MIB)
-    assert s.decide(1, -1000 * MIB)[0] == 68 and s.preempt_target is None  # free blocks only
-    assert s.decide(2, -1100 * MIB)[0] == 65 and s.preempt_target == 97  # 76 MiB beyond the reserve: 3 blocks
-    assert s.decide(3, 0) is None and s.preempt_target is None
+    s = sizer(ControllerConfig())
+    assert s.decide(1, -1000 * MIB) == PoolTarget(68, s.decide(1, -1000 * MIB).reason)  # free blocks only
+    assert s.decide(2, -1100 * MIB).must_reach == 97  # 76 MiB beyond the reserve: 3 blocks
+    assert s.decide(2, -1100 * MIB).num_blocks == 65
+    assert s.decide(3, 0) is None
+
+
+def test_a_pool_decision_is_one_frozen_value_and_the_sizer_keeps_none_of_it():
+    """Issue #43: the size to reach and the size below which running sequences must be preempted came from
+    two calls, the second reading a field the first left in the sizer. Now one value carries both, and a
+    later decision cannot change an earlier one."""
+    s = sizer(ControllerConfig())
+    must = s.decide(2, -1100 * MIB)
+    assert (must.num_blocks, must.must_reach) == (65, 97) and "memory tight" in must.reason
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        must.must_reach = None  # type: ignore[misc]
+    assert s.decide(1, -1000 * MIB).must_reach is None and (must.num_blocks, must.must_reach) == (65, 97)
+    before = dict(vars(s))
+    s.decide(3, -1100 * MIB)
+    changed = {k for k, v in vars(s).items() if before.get(k) != v}
+    assert changed <= {"_room_decisions"}  # the grow rule's hold count; nothing waits for a second call
 
 
 def test_twin_pool_is_sized_at_start_and_shown_in_the_state():
@@ -112,9 +138,7 @@ def test_metrics_export_pool_bytes_and_resizes():
 
 
 def test_reserve_lowers_while_kv_binds_and_returns_when_prefills_are_short():
-    cfg = ControllerConfig(pool_cooldown=4, pool_reserve_tokens=1024, pool_min_reserve_tokens=256)
-    s = PoolSizer(cfg)
-    s.start(num_blocks=100, block_bytes=32 * MIB, reserve=1024 * MIB)
+    s = sizer(ControllerConfig(pool_cooldown=4, pool_reserve_tokens=1024, pool_min_reserve_tokens=256))
     assert s.note_demand(1, preempted=0, prefill_cut=True, spare_blocks=50) is None  # KV never bound
     assert s.reserve == 1024 * MIB
     assert "KV binds" in s.note_demand(2, preempted=3, prefill_cut=False, spare_blocks=0)
@@ -186,8 +210,9 @@ def test_vllm_twin_pool_leaves_room_for_the_largest_decode_batch():
     from it alone, the pool left a 2 MiB reserve and the controller decoded one sequence a step (57 tok/s
     on bench/vllm_replay.py's trace). The decode profile at max_decode_seqs rows keeps room for a batch."""
     e = twin_engine("--profile", "rtx4090-llama3.1-8b-vllm")
-    assert e.policy.pool.sizing["profile_steps"] == 3
-    assert e.policy.pool.sizing["reserve"] > 200 * MIB  # 256 rows of fp32 logits and probabilities
+    sizing = e.policy.pool.start_up
+    assert sizing.profile_steps == 3
+    assert sizing.reserve > 200 * MIB  # 256 rows of fp32 logits and probabilities
     for i in range(96):
         e.add_request(f"r{i}", [1 + i] * 32, SamplingParams(max_tokens=64, ignore_eos=True))
     batches: list[int] = []

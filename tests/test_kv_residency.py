@@ -12,8 +12,8 @@ import torch
 from engine.model.attention import allocate_kv_cache, resize_kv_cache
 from engine.model.llama import ModelConfig
 from telemetry.probes.cpu import tensor_bytes
+from telemetry.units import MIB
 
-MIB = 1 << 20
 # 2 layers x (K, V) x 8192 blocks x 8 KiB (16 tokens x 4 heads x 64 x bf16): 64 MiB a tensor, 256 MiB a pool
 CFG = ModelConfig(100, 256, 64, 2, 4, 4, 64)
 NUM_BLOCKS, BLOCK_SIZE, BLOCK_BYTES = 8192, 16, 8 * 1024

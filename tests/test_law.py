@@ -19,8 +19,7 @@ from controller.config import ControllerConfig
 from controller.law import ControlLaw
 from controller.step_budget import Packer
 from telemetry.record import MemorySample, StepRecord, StepShape
-
-MIB = 1 << 20
+from telemetry.units import MIB
 
 
 def law(**patch) -> ControlLaw:
@@ -122,7 +121,7 @@ def closed_loop(steps: int = 1000, change_at: int = 500, seed: int = 0, decodes:
         context = (context + c) % 8192 if not oom else context
         chunks.append(c)
         peaks.append(measured / MIB)
-        usable.append(pol.budget.budget.usable_mib)
+        usable.append(pol.memory.budget.budget.usable_mib)
         ooms.append(oom)
     return pol, chunks, peaks, usable, ooms
 

@@ -245,18 +245,3 @@ def test_promtool_check_metrics() -> None:
     assert result.returncode in (0, 3), findings
     unexpected = [f for f in findings if not (f.startswith("vllm:") and "should not contain ':'" in f)]
     assert not unexpected, unexpected
-
-
-def test_observe_probe_overhead() -> None:
-    class Probe:
-        overhead_seconds = 0.5
-        sampled_steps = 3
-
-    m = Metrics("m")
-    probe = Probe()
-    m.observe_probe(probe)
-    probe.overhead_seconds, probe.sampled_steps = 0.75, 4
-    m.observe_probe(probe)
-    m.observe_probe(object())  # probes without the attributes are ignored
-    assert value(m, "headroom_probe_overhead_seconds_total") == pytest.approx(0.75)
-    assert value(m, "headroom_probe_sampled_steps_total") == 4

@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from engine.baselines.seed import FixedPolicy
-from engine.core.batch import ModelOutput
+from engine.core.batch import ModelOutput, ScheduledItem
 from engine.core.llm_engine import LLMEngine
-from engine.core.sequence import Sequence, TokenLogprob
+from engine.core.sequence import TokenLogprob
+from engine.core.stats import FinishedRequest
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext
@@ -54,11 +55,15 @@ class Served:
     url: str
     engine: AsyncEngine
     backend: LogprobBackend
-    finished: list[Sequence] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
 
-    def seqs(self) -> dict[str, Sequence]:
-        """Every finished sequence, by request id (finished before its answer is sent)."""
+    def seqs(self) -> dict[str, FinishedRequest]:
+        """Every finished request, by request id (finished before its answer is sent)."""
         return {s.request_id: s for s in self.finished}
+
+    def received(self, request_id: str) -> ScheduledItem:
+        """The request as the backend first received it: its prompt and sampling parameters."""
+        return next(it for batch in self.backend.steps for it in batch.items if it.request_id == request_id)
 
     def wait_idle(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -127,9 +132,9 @@ def test_a_list_of_prompts_times_n_gives_prompt_major_choices(served: Served, ht
     assert [c["index"] for c in r["choices"]] == list(range(6))
     assert all(c["text"] == FILLER * 5 and c["finish_reason"] == "length" for c in r["choices"])
     assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 30, "total_tokens": 33}
-    new = [s for rid, s in served.seqs().items() if rid not in before]
-    by_prompt = {2: sorted(s.params.seed for s in new if s.prompt_len == 2)}
-    by_prompt[1] = sorted(s.params.seed for s in new if s.prompt_len == 1)
+    new = [served.received(rid) for rid in served.seqs() if rid not in before]
+    by_prompt = {2: sorted(s.params.seed for s in new if len(s.prompt_ids) == 2)}
+    by_prompt[1] = sorted(s.params.seed for s in new if len(s.prompt_ids) == 1)
     assert by_prompt == {2: [40, 41, 42], 1: [40, 41, 42]}  # sample j uses seed + j, per prompt
 
 
@@ -220,7 +225,7 @@ def test_completion_logprobs_are_the_engine_s(served: Served, http: httpx.Client
     r = http.post(COMPLETION, json={"prompt": [9, 8], "max_tokens": 3, "logprobs": 0, "ignore_eos": True})
     (seq,) = [s for rid, s in served.seqs().items() if rid not in before]
     assert r.json()["choices"][0]["logprobs"]["token_logprobs"] == [chosen_logprob(t) for t in seq.output_ids]
-    assert seq.params.logprobs == 0
+    assert served.received(seq.request_id).params.logprobs == 0
 
 
 def test_chat_logprobs_content_with_top_logprobs(http: httpx.Client) -> None:
@@ -247,8 +252,9 @@ def test_penalties_reach_the_engine(served: Served, http: httpx.Client) -> None:
     before = set(served.seqs())
     body = {"prompt": "abcd", "max_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25}
     assert http.post(COMPLETION, json={**body, "repetition_penalty": 1.3}).status_code == 200
-    (seq,) = [s for rid, s in served.seqs().items() if rid not in before]
-    assert (seq.params.presence_penalty, seq.params.frequency_penalty, seq.params.repetition_penalty) == (
+    (rid,) = [rid for rid in served.seqs() if rid not in before]
+    params = served.received(rid).params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
         0.5,
         -0.25,
         1.3,
@@ -266,9 +272,9 @@ def test_developer_is_rendered_as_system_and_text_parts_are_joined(served: Serve
     ]
     before = set(served.seqs())
     assert http.post(CHAT, json={"messages": messages, "max_tokens": 1}).status_code == 200
-    (seq,) = [s for rid, s in served.seqs().items() if rid not in before]
+    (rid,) = [rid for rid in served.seqs() if rid not in before]
     expected = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    assert list(seq.prompt_ids) == tok.encode(tok.apply_chat_template(expected))
+    assert list(served.received(rid).prompt_ids) == tok.encode(tok.apply_chat_template(expected))
 
 
 def test_tool_messages_reach_the_template(http: httpx.Client) -> None:

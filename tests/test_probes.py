@@ -15,11 +15,9 @@ from telemetry.probes.cpu import CpuProbe, shape_bucket, tensor_bytes
 from telemetry.probes.cuda import CudaProbe
 from telemetry.probes.nvml import NvmlProbe
 from telemetry.record import MemorySample, StepShape
+from telemetry.units import GIB as GiB
+from telemetry.units import MIB as MiB
 from telemetry.units import format_bytes, parse_bytes
-
-GiB = 1 << 30
-MiB = 1 << 20
-
 
 # ---- units ------------------------------------------------------------------------------------------
 

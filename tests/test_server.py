@@ -225,8 +225,8 @@ def test_metrics_and_controller_endpoints(server) -> None:  # noqa: ANN001
 
 
 def test_headroom_serve_is_registered_with_every_engine_flag() -> None:
-    from engine.cli import build_parser
     from engine.serving.cli import configs
+    from headroom.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--backend", "twin", "--port", "0", "--max-waiting", "3"])

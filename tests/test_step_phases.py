@@ -47,7 +47,7 @@ def test_engine_phases_split_execute_and_cover_the_step() -> None:
         engine.step()
         steps += 1
     wall = time.perf_counter() - start
-    t = engine.phases.totals()
+    t = engine.phase_totals()
     assert t["sampler"] == steps * SAMPLER_S  # exactly what the backend reported
     assert t["forward"] >= steps * FORWARD_S
     assert t["schedule"] > 0 and t["controller"] > 0 and t["telemetry"] > 0 and t["detokenize_stream"] > 0

@@ -114,7 +114,7 @@ def test_a_rank_that_dies_ends_the_engine_with_503s_not_a_hang(tiny_dir: Path) -
     engine = engine_at(tiny_dir, 2)
     backend = engine.backend
     server = AsyncEngine(engine, max_waiting=8)
-    app = create_app(AppContext(server, "tiny", backend.tokenizer, vocab_size=backend.config.vocab_size))
+    app = create_app(AppContext(server, "tiny", backend.tokenizer, vocab_size=backend.vocab_size))
     try:
         with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
             body = {"prompt": PROMPTS[0], "max_tokens": 4}

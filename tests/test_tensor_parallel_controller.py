@@ -11,9 +11,7 @@ import pytest
 from controller.adaptive import AdaptivePolicy
 from controller.tightest_rank import ranks_state, room_above_idle, step_memory, tightest
 from telemetry.record import MemorySample, RankSample, StepRecord, StepShape
-
-MIB = 1 << 20
-GIB = 1 << 30
+from telemetry.units import GIB, MIB
 
 
 def sample(idle: int, peak: int, capacity: int = 24 * GIB, outside: int = 0, retries: int = 0) -> MemorySample:

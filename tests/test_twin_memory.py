@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backends.twin.allocator import MIB, CachingAllocator, DeviceOOM, segment_size
+from engine.backends.twin.allocator import CachingAllocator, DeviceOOM, segment_size
 from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.memo import LRUMemo
 from engine.backends.twin.memory import MEMO_SIZE, MemoryModel, StepMemory
@@ -14,6 +14,7 @@ from engine.backends.twin.profile import load_profile
 from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
+from telemetry.units import MIB
 
 PROFILE = load_profile()
 LOGITS_4096 = 4096 * 128256 * 4  # fp32 logits of a 4096-token prompt

@@ -14,10 +14,10 @@ from engine.backends.twin.profile import load_profile
 from engine.baselines.seed import SeedStaticPolicy
 from engine.config import ConfigError, EngineConfig
 from engine.core.llm_engine import LLMEngine
+from telemetry.units import MIB
 
 SENSORS = load_profile().section("sensors")
 PERIOD = SENSORS["nvml_period_s"]
-MIB = 1 << 20
 
 
 class Seen(NamedTuple):

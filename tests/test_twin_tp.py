@@ -13,8 +13,7 @@ from engine.backends.twin.profile import load_profile
 from engine.backends.twin.tensor_parallel import TwinGroup, rank_profile
 from engine.config import ConfigError, EngineConfig
 from engine.factory import build_engine
-
-GIB = 1 << 30
+from telemetry.units import GIB
 
 
 def test_rank_profiles_shard_the_weights_and_kv_and_keep_the_lm_head_on_rank_0() -> None:

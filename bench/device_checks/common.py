@@ -18,16 +18,16 @@ from engine.baselines.seed import FixedPolicy
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.core.stats import FinishedRequest
 from engine.factory import build_policy
 from engine.model.llama import LlamaModel
 from engine.model.loaders import LoadedModel
 from engine.model.loaders.random_model import random_llama
 from engine.model.model_config import ModelConfig
 from telemetry.record import StepRecord
+from telemetry.units import GIB as GIB  # re-exported: the checks import their units with the rest from here
+from telemetry.units import MIB as MIB
 
-MIB = 1 << 20
-GIB = 1 << 30
 NO_NUMERICS = "n/a (the twin models memory and time, not numerics)"
 NO_CUDA = "no CUDA device"
 PREFILL_CHUNK = 1024  # prompt tokens per step in the fixed-policy runs (fixed_engine says why)
@@ -178,16 +178,14 @@ class RunLog:
         return sum(len(self.tokens.get(rid, ())) != n for rid, n in self.wanted.items())
 
     def send(self, engine: LLMEngine, index: int, prompt: int, tokens: int, logprobs: int | None = None) -> None:
-        backend = engine.backend
-        vocab = backend.vocab_size if isinstance(backend, TwinBackend) else backend.config.vocab_size
-        ids = prompt_ids(index, prompt, vocab)
+        ids = prompt_ids(index, prompt, engine.backend.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=logprobs)
         engine.add_request(f"r{index}", ids, params)
         self.wanted[f"r{index}"] = tokens
 
-    def finished(self, seq: Sequence) -> None:
-        self.tokens[seq.request_id] = list(seq.output_ids)
-        self.top[seq.request_id] = [dict(lp.top) for lp in seq.output_logprobs]
+    def finished(self, request: FinishedRequest) -> None:
+        self.tokens[request.request_id] = list(request.output_ids)
+        self.top[request.request_id] = [dict(lp.top) for lp in request.output_logprobs]
 
     def stepped(self, record: StepRecord, _batch: object) -> None:
         self.steps += 1

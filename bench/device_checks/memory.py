@@ -234,7 +234,7 @@ def sized_engine(s: Session, **backend_args: Any) -> LLMEngine:
     """The production engine over the random weights: adaptive, its KV pool sized at start-up and every graph
     captured after (engine/factory.py build_engine, which loads its model by name)."""
     policy = build_policy(EngineConfig(device=str(s.device)))
-    backend = s.backend(pool_tokens=policy.cfg.pool_reserve_tokens, **backend_args)
+    backend = s.backend(pool_tokens=policy.kv_pool_profile().prefill_tokens, **backend_args)  # type: ignore[union-attr]
     engine = LLMEngine(backend, policy)
     size_kv_pool(engine)
     backend.capture_graphs()
@@ -268,7 +268,7 @@ def follow_scenario(
     grew = step_until(engine, before, lambda: alloc.num_blocks >= 0.9 * start, grow_limit)
     sending = False
     drained = step_until(engine, before, lambda: not engine.has_unfinished(), 100_000) is not None
-    counters = engine.policy.counters  # type: ignore[attr-defined]
+    counters = engine.policy.state()["counters"]
     figures: dict[str, Value] = {
         "KV pool before (GiB)": start * block / GIB,
         "asked by the other process: what is free + a quarter of the pool (GiB)": ask / GIB,

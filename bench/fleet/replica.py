@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bench.fleet.load import FleetRequest
+from engine.backends.twin.backend import TwinBackend, as_twin
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.core.stats import FinishedRequest
 from engine.factory import build_engine
+from engine.serving.async_engine import QueueFullError, refuse_when_full
 from engine.serving.messages import EngineSnapshot, PrefillLoad
 from engine.serving.ray_serve.headroom_policy import routing_stats
-
-GiB = 1 << 30
 
 
 @dataclass
@@ -35,7 +35,9 @@ class SimReplica:
     cfg: EngineConfig
     max_waiting: int
     engine: LLMEngine = field(init=False)
-    inflight: dict[int, tuple[FleetRequest, Sequence]] = field(default_factory=dict)
+    twin: TwinBackend = field(init=False)  # the card, for another process that takes memory on it
+    inflight: dict[int, FleetRequest] = field(default_factory=dict)
+    done: dict[int, FinishedRequest] = field(default_factory=dict)  # finished, not yet shown to the fleet
     stats: dict = field(default_factory=dict)
     up: bool = True
     stepping: bool = False  # a step event is pending
@@ -43,23 +45,34 @@ class SimReplica:
     past: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
+        self._start()
+
+    def _start(self) -> None:
+        """A fresh process: a new engine and controller that learn from scratch."""
         self.engine = build_engine(self.cfg)
+        self.twin = as_twin(self.engine.backend)
+        self.engine.finish_listeners.append(self._finished)
+
+    def _finished(self, request: FinishedRequest) -> None:
+        self.done[int(request.request_id[1:])] = request
 
     def clock(self) -> float:
-        return self.engine.backend.now()
+        return self.engine.now()
 
     def submit(self, req: FleetRequest, now: float, system_tokens: int) -> str | None:
         """Queue `req`; the reason it is refused (the server's 429 or 400), or None."""
         engine = self.engine
-        if len(engine.scheduler.waiting) >= self.max_waiting:
+        try:
+            refuse_when_full(engine.stats().num_waiting, self.max_waiting)
+        except QueueFullError:
             return "queue_full"
-        engine.backend.advance_to(now)  # an idle device waits for the arrival; a busy one is past it
+        engine.advance_to(now)  # an idle device waits for the arrival; a busy one is past it
         params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True, temperature=0.0)
         try:
-            seq = engine.add_request(f"r{req.index}", req.prompt_ids(system_tokens), params, req.arrival)
+            engine.add_request(f"r{req.index}", req.prompt_ids(system_tokens), params, req.arrival)
         except RequestError:
             return "bad_request"
-        self.inflight[req.index] = (req, seq)
+        self.inflight[req.index] = req
         return None
 
     def step(self) -> list[int] | None:
@@ -71,39 +84,39 @@ class SimReplica:
             return None
         return [int(o.request_id[1:]) for o in outputs if o.finish_reason is not None]
 
-    def finish(self, index: int) -> tuple[FleetRequest, Sequence]:
-        return self.inflight.pop(index)
+    def finish(self, index: int) -> tuple[FleetRequest, FinishedRequest]:
+        return self.inflight.pop(index), self.done.pop(index)
 
     def publish(self, now: float) -> None:
-        engine = self.engine
-        snap = EngineSnapshot.of(engine, len(self.inflight))
-        self.stats = routing_stats(snap, len(engine.scheduler.waiting), engine.healthy, PrefillLoad.of(engine), now)
+        snap = EngineSnapshot.of(self.engine, len(self.inflight))
+        self.stats = routing_stats(snap, snap.num_waiting, snap.healthy, PrefillLoad.of(self.engine), now)
 
     def die(self) -> list[FleetRequest]:
         """The replica's process ends: what it held is lost (a 503, or an error event mid-stream)."""
-        lost = [req for req, _ in self.inflight.values()]
-        self.past.ooms += self.engine.ooms
-        self.past.preemptions += self.engine.scheduler.num_preemptions
+        lost = list(self.inflight.values())
+        stats = self.engine.stats()
+        self.past.ooms += stats.ooms
+        self.past.preemptions += stats.preemptions
         self.inflight.clear()
+        self.done.clear()
         self.up, self.stepping, self.stats = False, False, {"healthy": False}
         self.incarnation += 1
         return lost
 
     def restart(self, now: float) -> None:
-        """A fresh process: a new engine and controller that learn from scratch."""
-        self.engine = build_engine(self.cfg)
-        self.engine.backend.advance_to(now)
+        self._start()
+        self.engine.advance_to(now)
         self.up = True
         self.publish(now)
 
     def take_memory(self, nbytes: int) -> None:
         """Another process on the card holds `nbytes` (0: gives it back)."""
-        self.engine.backend.set_external(nbytes)
+        self.twin.set_external(nbytes)
 
     @property
     def ooms(self) -> int:
-        return self.past.ooms + (self.engine.ooms if self.up else 0)
+        return self.past.ooms + (self.engine.stats().ooms if self.up else 0)
 
     @property
     def preemptions(self) -> int:
-        return self.past.preemptions + (self.engine.scheduler.num_preemptions if self.up else 0)
+        return self.past.preemptions + (self.engine.stats().preemptions if self.up else 0)

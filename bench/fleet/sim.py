@@ -18,9 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from bench.fleet.load import FleetRequest, Scenario
-from bench.fleet.replica import GiB, SimReplica
+from bench.fleet.replica import SimReplica
 from bench.fleet.routers import ROUTERS
 from engine.config import EngineConfig
+from telemetry.units import GIB as GiB
 
 STATS_PERIOD_S = 0.5  # engine/serving/ray_serve/launcher.py polls each replica's stats this often
 MAX_ONGOING = 512  # the launcher's max_ongoing_requests: 2 x max_waiting
@@ -167,10 +168,10 @@ class FleetSim:
         rep = self.reps[i]
         if index not in rep.inflight:  # lost with an earlier incarnation
             return
-        req, seq = rep.finish(index)
+        req, done = rep.finish(index)
         self.ongoing[i] -= 1
         self.inflight -= 1
-        self.out.finished.append(Finished(req.kind, seq.token_times[0] - req.arrival, len(seq.output_ids), self._now))
+        self.out.finished.append(Finished(req.kind, done.token_times[0] - req.arrival, len(done.output_ids), self._now))
         self._route_held()
 
     def _publish(self, i: int, incarnation: int) -> None:
@@ -225,9 +226,8 @@ class FleetSim:
 @contextmanager
 def _rare_collections() -> Iterator[None]:
     """A run makes ~1e8 short-lived objects beside the fleet's long-lived ones, so at the default threshold (700
-    allocations) the cycle collector ran ~5,600 times in a 1,000-replica run with 5 s of arrivals, 21 of them
-    over the whole heap. Little of what a step makes is cyclic. With `choose_two`'s one pass: 1,000 replicas above
-    capacity, `headroom`, seed 0, 499 -> 473 s side by side with the code before (the same results)."""
+    allocations) the cycle collector runs thousands of times in a large run, some of them over the whole heap, and
+    little of what a step makes is cyclic: rarer collections cost memory for a while, never a different result."""
     before = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)
     try:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.core.batch import EMPTY, ModelOutput, ScheduledItem, SchedulerOutput
+from engine.backends.warm_up import run_warm_up
+from engine.core.backend import BackendDefaults, BackendInfo
+from engine.core.batch import EMPTY, ModelOutput, SchedulerOutput
 from engine.core.sampler import Sampler
-from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
 from engine.model import cpu_kernels
 from engine.model.attention import (
     build_attention_metadata,
@@ -38,7 +38,7 @@ from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
 from engine.model.quant import choose_quantization
 from engine.model.tensor_parallel import RankShard, shard_model
-from telemetry.probes import make_probe
+from telemetry.probes import MemoryProbe, make_probe
 from telemetry.probes.cpu import tensor_bytes
 from telemetry.units import parse_bytes
 
@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from engine.core.kv_cache import ResizePlan
 
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
-WARM_UP_TOKENS = 128  # the warm-up prefill (TorchBackend.warm_up): a short prompt's size
-WARM_UP_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 
 logger = logging.getLogger("headroom.engine")
 
@@ -68,7 +66,7 @@ def kernel_for(
     return choose_kernel(attention, block_size, resolved, choose_dtype(dtype, resolved).dtype)
 
 
-class TorchBackend:
+class TorchBackend(BackendDefaults):
     graphs: DecodeGraphs | None = None  # captured decode steps; None: every step runs eagerly
     kv_arena: KVArena | None = None  # the pool in CUDA virtual memory; None: tensors copied on a resize
 
@@ -81,7 +79,7 @@ class TorchBackend:
         num_blocks: int | None = None,
         block_size: int | None = None,
         attention: str = "auto",
-        probe: Any = None,
+        probe: MemoryProbe | None = None,
         device_memory: int | str | None = None,
         max_model_len: int | None = None,
         kv_memory_fraction: float = 0.5,
@@ -191,7 +189,7 @@ class TorchBackend:
         if self.model.fused is not None:
             self.kernel_reason += "; decoder layers: one C++ call a step"
 
-    def _default_probe(self, capacity: int | None) -> Any:
+    def _default_probe(self, capacity: int | None) -> MemoryProbe:
         """telemetry's probe for this device, told what the weights and the KV pool hold at rest."""
         device_name = str(self.device) if self.device.type != "cuda" else f"cuda:{self.device.index or 0}"
         idle = tensor_bytes([self.model, *(t for kv in self.kv_caches for t in kv)])
@@ -202,6 +200,18 @@ class TorchBackend:
     def block_bytes(self) -> int:
         """Device bytes of one KV block, all layers (a pool in virtual memory maps whole granules of them)."""
         return kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(
+            dtype=f"{str(self.dtype).removeprefix('torch.')} ({self.dtype_reason})",
+            quantization=self.quant_reason,
+            attention=f"{self.attention}, block size {self.block_size} ({self.kernel_reason})",
+            kv_pool=self.kv_layout,
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -228,8 +238,7 @@ class TorchBackend:
         else:
             self._resize_copied(plan)
         self.num_blocks = plan.num_blocks
-        if hasattr(self.probe, "idle_bytes"):  # computed probes (CPU) are told the new footprint
-            self.probe.idle_bytes += plan.delta * self.block_bytes
+        self.probe.add_idle(plan.delta * self.block_bytes)  # a computed probe's (CPU) footprint moves with it
         return time.perf_counter() - t0
 
     def _resize_copied(self, plan: ResizePlan) -> None:
@@ -316,28 +325,14 @@ class TorchBackend:
         return self.graphs.run(*decode_inputs(batch.items, self.block_size)) if self._graph_fits(batch) else None
 
     def warm_up(self) -> float:
-        """A prefill of up to WARM_UP_TOKENS tokens and one decode step, into the pool's first blocks before
-        any request holds them; returns the seconds. Run on the thread that will run the steps (OpenMP
-        starts a thread team per calling thread), so the first request does not pay for the team's start
-        and the first touch of a step's buffers."""
-        tokens = min(WARM_UP_TOKENS, self.max_model_len - 2)
-        seq = Sequence("warm-up", [i % self.config.vocab_size for i in range(tokens)], WARM_UP_PARAMS, 2)
-        seq.block_table = list(range(-(-(tokens + 1) // self.block_size)))
-        start = time.perf_counter()
-        for first, count in ((0, tokens), (tokens, 1)):
-            batch = SchedulerOutput()
-            batch.add(ScheduledItem.of(seq, first, count, count > 1))
-            seq.output_ids += self.execute(batch).sampled
-        return time.perf_counter() - start
+        """engine/backends/warm_up.py, into the pool's first blocks before any request holds them."""
+        return run_warm_up(self)
 
     def recover_from_oom(self) -> None:
         """Nothing to let go: the failed step's tensors were freed as its exception unwound, and no output is kept
         between steps. The cache stays: PyTorch's allocator empties it and retries inside a cudaMalloc that
         fails, for this process, where an empty_cache here would hand it to another process short of memory and
         the next step would fail for want of it (bench/results/fault_campaign.md)."""
-
-    def now(self) -> float:
-        return time.monotonic()
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelOutput:

@@ -30,6 +30,8 @@ from engine.backends.rank_probes import RankProbes
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.tp_collectives import COLLECTIVE_TIMEOUT, make_group
 from engine.backends.tp_worker import STORE_TIMEOUT, WorkerSpec, rank_backend, rank_kwargs, rank_sample, worker_main
+from engine.backends.warm_up import run_warm_up
+from engine.core.backend import ForwardingBackend
 from engine.core.batch import EMPTY, ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
 from engine.core.llm_engine import EngineDeadError
@@ -42,7 +44,14 @@ class RankDiedError(EngineDeadError):
     """A tensor-parallel rank is gone: the group cannot compute another step."""
 
 
-class TensorParallelBackend:
+class TensorParallelBackend(ForwardingBackend):
+    """The driver's backend (`inner`) for everything the group shares: the tokenizer, the pool's block size, the
+    sampler's seconds, ...; the step, the pool's resizes and the warm-up on every rank. No swap: a rank's host
+    copy would need every rank's blocks."""
+
+    can_swap = False
+    inner: TorchBackend
+
     def __init__(
         self,
         size: int,
@@ -58,9 +67,8 @@ class TensorParallelBackend:
         rate = {r: oom_rate if r == oom_rank else 0.0 for r in range(size)}
         self._threads = torch.get_num_threads()  # the driver takes its share of the cores; close() restores
         # the driver's shard first: a size the model cannot take is refused before any process starts
-        self.inner, self._collectives = rank_backend(
-            0, size, rank_kwargs(backend_kwargs, 0), rate[0], collective_timeout
-        )
+        inner, self._collectives = rank_backend(0, size, rank_kwargs(backend_kwargs, 0), rate[0], collective_timeout)
+        super().__init__(inner)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
@@ -80,8 +88,11 @@ class TensorParallelBackend:
         except BaseException:
             self.close()
             raise
-        self.probe = RankProbes([self.inner.probe], self.rank_samples)
-        self.can_swap = False
+        self._probe = RankProbes([self.inner.probe], self.rank_samples)
+
+    @property
+    def probe(self) -> RankProbes:
+        return self._probe
 
     def _start(self, spec: WorkerSpec) -> None:
         context = mp.get_context("spawn")  # a fork would copy the driver's threads and OpenMP state
@@ -91,10 +102,6 @@ class TensorParallelBackend:
         theirs.close()
         self._conns.append(ours)
         self._procs.append(proc)
-
-    def __getattr__(self, name: str) -> Any:
-        """The driver's backend for everything the group shares: the tokenizer, the pool's block size, ..."""
-        return getattr(self.inner, name)
 
     def rank_samples(self) -> list[RankSample]:
         """Every rank's sample, by rank: the driver's read now, the workers' from their last answers."""
@@ -149,11 +156,8 @@ class TensorParallelBackend:
         raise torch.OutOfMemoryError("tensor parallel: a rank could not grow its KV shard")
 
     def warm_up(self) -> float:
-        """TorchBackend's warm-up, through this backend's execute, so that every rank warms up."""
-        return TorchBackend.warm_up(self)  # type: ignore[arg-type]
-
-    def recover_from_oom(self) -> None:
-        self.inner.recover_from_oom()
+        """Through this backend's execute, so that every rank warms up."""
+        return run_warm_up(self)
 
     def close(self) -> None:
         """Stop the workers (at most STOP_WAIT_S each, then killed), and give the process its threads back."""

@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
-from controller.policy import StaticPolicy
-from engine.core.outputs import EngineOutput
+from controller.policy import OomDecision, StaticPolicy
 from engine.core.scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+WORKER_DIED = OomDecision(stop="a step ran out of memory and the worker died, as the seed engine's and vLLM's do")
 
 
 class BaselinePolicy(StaticPolicy):
-    """A static policy with the engine-side rules of the engine it replays. LLMEngine reads two hooks:
-    `scheduler_class`, the Scheduler (sub)class to pack steps with, and `on_oom(engine)`, run instead of the
-    production recovery when a step runs out of memory."""
+    """A static policy with the engine-side rules of the engine it replays: `scheduler_class`, the Scheduler
+    (sub)class to pack steps with, and on an OOM the engine stops: every request fails, and new ones are refused
+    (EngineDeadError)."""
 
-    scheduler_class: type[Scheduler] = Scheduler
+    scheduler_class: ClassVar[type[Scheduler]] = Scheduler
 
-    def on_oom(self, engine: LLMEngine) -> list[EngineOutput]:
-        """The seed engine's and vLLM's worker dies: the engine stops, every request fails, and new ones are
-        refused (EngineDeadError)."""
-        engine.healthy = False
-        failed = [*engine.scheduler.running, *engine.scheduler.waiting]
-        for seq in failed:
-            engine.abort(seq.request_id, "error")
-        return [EngineOutput(seq.request_id, [], finish_reason="error") for seq in failed]
+    def on_oom(self) -> OomDecision:
+        return WORKER_DIED

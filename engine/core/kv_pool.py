@@ -1,5 +1,5 @@
 """The KV pool sized by the controller at start-up: profile the largest step the pool must
-leave room for, then let the policy choose the size (controller/kv_pool.py says how).
+leave room for, then let the policy choose the size (the adaptive policy's rules: controller/pool_rules.py).
 
 Like vLLM's profile run, the profiling steps are real steps on the backend (the twin replays their
 allocations; torch runs the model) under the real probe, before any request: a prefill of `tokens` prompt
@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from controller.policy import PoolResize
 from engine.core.batch import ScheduledItem, SchedulerOutput
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
@@ -132,12 +133,16 @@ def _profile_step(engine: LLMEngine, seqs: list[Sequence], is_prefill: bool) -> 
 
 
 def size_kv_pool(engine: LLMEngine) -> int:
-    """Profile, let the policy size the pool, resize to it; returns the pool size."""
-    policy, alloc = engine.policy, engine.allocator
-    samples = profile(engine, policy.cfg.pool_reserve_tokens, policy.cfg.max_decode_seqs)
-    target = policy.size_kv_pool(alloc.num_blocks, engine.backend.block_bytes, samples)
+    """Profile as the policy asks, let it size the pool, resize to it; returns the pool size. A resize that
+    fails here raises: start-up stops rather than serve from the profiling steps' pool."""
+    policy, alloc, block_bytes = engine.policy, engine.allocator, engine.backend.block_bytes
+    wanted = policy.kv_pool_profile()
+    if wanted is None:
+        raise ValueError(f"policy {policy.name!r} does not size the KV pool")
+    samples = profile(engine, wanted.prefill_tokens, wanted.decode_rows)
     old = alloc.num_blocks
-    plan = engine.resize_kv_pool(target)
-    policy.observe_pool(old, plan.num_blocks if plan else old)
-    log.info("KV pool sized by the controller: %s", policy.pool.sizing)
+    target = policy.kv_pool_start(old, block_bytes, samples)
+    engine.resize_kv_pool(target.num_blocks)
+    policy.observe_pool(PoolResize(target, old, alloc.num_blocks))
+    log.info("KV pool sized by the controller: %d -> %d blocks of %s", old, alloc.num_blocks, format_bytes(block_bytes))
     return alloc.num_blocks

@@ -5,63 +5,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
-from controller.policy import Policy
+from controller.policy import Policy, PoolResize
+from engine.core.backend import Backend
 from engine.core.batch import ModelOutput, SchedulerOutput
+from engine.core.decode_burst import burst_sequences, run_burst, static_feedback
 from engine.core.kv_cache import BlockAllocator, ResizePlan
 from engine.core.outputs import EngineOutput
 from engine.core.prefix_cache import PrefixCache
 from engine.core.sampling_params import ParamError, SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
+from engine.core.stats import EngineStats, FinishedRequest
 from telemetry.phases import PhaseTimer
 from telemetry.record import StepRecord
-
-
-class Backend(Protocol):
-    num_blocks: int
-    block_size: int
-    block_bytes: int  # device bytes of one KV block, all layers
-    max_model_len: int
-    eos_token_ids: set[int]
-    model_name: str
-    probe: object
-    tokenizer: object | None
-
-    def execute(self, batch: SchedulerOutput) -> ModelOutput:
-        """One forward over the batch; one sampled token per sampling item (and its logprobs where asked for).
-        Drops what it keeps for the requests in `batch.finished` first. A backend that samples in a separate
-        pass may count that pass's seconds in a `sampler_seconds` attribute (cumulative): the engine's phase
-        timer then tells the forward and the sampler apart."""
-        ...
-
-    def now(self) -> float: ...
-
-    def recover_from_oom(self) -> None:
-        """After a failed step: let go of what the backend keeps from the step before (an output it still
-        references), which would pin its cached segment through every retry. Not torch.cuda.empty_cache: a
-        cudaMalloc that fails releases the cache and retries at once, for this process, where an empty_cache
-        between steps hands it to another process short of memory, and the step run again fails for want of it
-        (tests/test_hazard_oom_storm.py)."""
-        ...
-
-    def swap(self, out: list[tuple[str, list[int]]], into: list[tuple[str, list[int]]]) -> float:
-        """Only where `can_swap` is True: copy each `out` request's listed KV blocks to host memory (the backend
-        keeps the copy by request id), then each `into` request's host copy into its listed blocks (and drop
-        it); returns the seconds it cost."""
-        ...
-
-    def resize_kv(self, plan: ResizePlan) -> float:
-        """Resize the KV tensors to `plan` (copying the blocks in plan.moves) and set num_blocks; returns
-        the seconds it cost. Raises torch.OutOfMemoryError, num_blocks unchanged and every tensor whole, when
-        it cannot.
-
-        Optional, `prepare(batch)`: work a backend does before a step and outside its measurement (the CUDA
-        graph of the step's batch bucket, captured again after a resize), so the probe's step is the step's own."""
-        ...
 
 
 def default_max_tokens(prompt_len: int, max_model_len: int, pool_tokens: int) -> int:
@@ -87,24 +46,23 @@ class EngineDeadError(RuntimeError):
 class LLMEngine:
     def __init__(self, backend: Backend, policy: Policy, enable_prefix_caching: bool = True) -> None:
         """A baseline policy (engine/baselines/) brings its engine's rules: `policy.scheduler_class` packs the
-        steps and `policy.on_oom(engine)` replaces the recovery from an OOM."""
+        steps and `policy.on_oom()` may stop the engine on an OOM instead of recovering."""
         self.backend = backend
         self.policy = policy
         self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
         self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
-        scheduler_class: type[Scheduler] = getattr(policy, "scheduler_class", Scheduler)
-        self.scheduler = scheduler_class(
-            self.allocator, policy, self.prefix_cache, can_swap=getattr(backend, "can_swap", False)
-        )
-        self._oom_hook: Callable[[LLMEngine], list[EngineOutput]] | None = getattr(policy, "on_oom", None)
+        scheduler_class: type[Scheduler] = policy.scheduler_class or Scheduler
+        self.scheduler = scheduler_class(self.allocator, policy, self.prefix_cache, can_swap=backend.can_swap)
+        self.stop_reason: str | None = None  # why the policy stopped the engine on an OOM (OomDecision)
         self.healthy = True
-        self.step_id = 0
+        self._steps = 0
         self.ooms = 0
         self.ooms_recovered = 0
         self.step_listeners: list[Callable[[StepRecord, SchedulerOutput], None]] = []
-        self.finish_listeners: list[Callable[[Sequence], None]] = []
-        self.phases = PhaseTimer()
+        self.finish_listeners: list[Callable[[FinishedRequest], None]] = []
+        self._phases = PhaseTimer()
         self._sampler_seconds = 0.0  # the backend's sampler_seconds at the last step
+        self._last_batch: SchedulerOutput | None = None  # the last step's, while nothing since changed the schedule
 
     @property
     def requests(self) -> dict[str, Sequence]:
@@ -114,6 +72,43 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.backend.max_model_len
+
+    @property
+    def step_id(self) -> int:
+        """Steps run so far: the last step record's id."""
+        return self._steps
+
+    def now(self) -> float:
+        """The backend's clock: wall time, or the twin's virtual time."""
+        return self.backend.now()
+
+    def advance_to(self, t: float) -> None:
+        """Let the idle device wait until `t` on its clock (an open-loop load's next arrival)."""
+        self.backend.advance_to(t)
+
+    def stats(self) -> EngineStats:
+        """The engine's counters and gauges now; read on the thread that steps it."""
+        sched, alloc, cache = self.scheduler, self.allocator, self.prefix_cache
+        return EngineStats(
+            healthy=self.healthy,
+            steps=self._steps,
+            ooms=self.ooms,
+            ooms_recovered=self.ooms_recovered,
+            preemptions=sched.num_preemptions,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_blocks_used=alloc.num_used,
+            kv_blocks_free=alloc.num_free,
+            kv_blocks_total=alloc.num_blocks,
+            block_size=alloc.block_size,
+            max_model_len=self.max_model_len,
+            prefix_cache_queries=cache.queries if cache else 0,
+            prefix_cache_hits=cache.hits if cache else 0,
+        )
+
+    def phase_totals(self) -> dict[str, float]:
+        """The steps' seconds by phase since the start (telemetry/phases.py); safe to call from any thread."""
+        return self._phases.totals()
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None
@@ -130,6 +125,7 @@ class LLMEngine:
             arrival_time=self.backend.now() if arrival_time is None else arrival_time,
         )
         self.scheduler.add(seq)
+        self._last_batch = None  # the next step packs it: no decode burst before
         return seq
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -182,6 +178,7 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
             self._finish(seq, reason)
+            self._last_batch = None
 
     def resize_kv_pool(self, target: int) -> ResizePlan | None:
         """Resize the KV pool to `target` blocks between steps; returns the plan carried out, or None when
@@ -213,19 +210,19 @@ class LLMEngine:
         since the alternative is steps that OOM."""
         target = self.policy.kv_pool_target(self.backend.probe.sample())
         old = self.allocator.num_blocks
-        if target is None or target == old:
+        if target is None or target.num_blocks == old:
             return
-        preempted: list[Sequence] = []
-        must = self.policy.kv_pool_preempt_target()
+        preempted = 0
+        must = target.must_reach
         if must is not None and must < self.allocator.num_used:
-            preempted = self.scheduler.preempt_newest(max(must, self._longest_request_blocks()))
+            preempted = len(self.scheduler.preempt_newest(max(must, self._longest_request_blocks())))
         try:
-            plan = self.resize_kv_pool(target)
+            self.resize_kv_pool(target.num_blocks)
         except torch.OutOfMemoryError as e:
             self.backend.recover_from_oom()
-            self.policy.observe_pool(old, old, str(e), preempted=len(preempted))
+            self.policy.observe_pool(PoolResize(target, old, old, str(e), preempted))
             return
-        self.policy.observe_pool(old, plan.num_blocks if plan else old, preempted=len(preempted))
+        self.policy.observe_pool(PoolResize(target, old, self.allocator.num_blocks, preempted=preempted))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -240,8 +237,21 @@ class LLMEngine:
             self.healthy = False
             raise
 
+    def decode_burst(self, until: float = float("inf")) -> int:
+        """Repeat the last step's decodes without the scheduler while nothing can change the schedule, each step
+        the backend's own (Backend.decode_step) and starting before `until`; returns the steps run, 0 when the next
+        step must be `step()`'s. For load generators in virtual time: a burst records no step, feeds the policy
+        nothing and finishes no request (engine/core/decode_burst.py says why that is exact)."""
+        batch = self._last_batch
+        if batch is None or not self.healthy or self.step_listeners or not static_feedback(self.policy):
+            return 0
+        seqs = burst_sequences(batch, self.scheduler)
+        done = 0 if seqs is None else run_burst(seqs, self.scheduler, self.backend, until)
+        self._steps += done
+        return done
+
     def _step(self) -> list[EngineOutput]:
-        phases = self.phases
+        phases, self._last_batch = self._phases, None
         with phases.span("schedule"):  # KV swaps included: they move blocks for the step being packed
             self._follow_pool_target()
             batch = self.scheduler.schedule()
@@ -249,8 +259,7 @@ class LLMEngine:
                 self.backend.swap(batch.swap_out, batch.swap_in)
         if not batch.items:
             return []
-        if (prepare := getattr(self.backend, "prepare", None)) is not None:
-            prepare(batch)
+        self.backend.prepare(batch)
         start = self.backend.now()
         oom = False
         wall = time.perf_counter()
@@ -272,14 +281,15 @@ class LLMEngine:
         with phases.span("telemetry"):
             for listener in self.step_listeners:
                 listener(record, batch)
+        self._last_batch = batch
         return outputs
 
     def _time_execute(self, seconds: float) -> None:
         """Split the backend's execute into forward and sampler by the sampler seconds it reports."""
-        total = getattr(self.backend, "sampler_seconds", 0.0)
+        total = self.backend.sampler_seconds
         sampler, self._sampler_seconds = total - self._sampler_seconds, total
-        self.phases.add("sampler", sampler)
-        self.phases.add("forward", seconds - sampler)
+        self._phases.add("sampler", sampler)
+        self._phases.add("forward", seconds - sampler)
 
     def _advance(self, batch: SchedulerOutput, result: ModelOutput, now: float) -> list[EngineOutput]:
         logprobs_of = iter(result.logprobs)
@@ -302,12 +312,19 @@ class LLMEngine:
         return outputs
 
     def _on_oom(self) -> list[EngineOutput]:
-        """Nothing advanced, so the step's work simply runs again under the backed-off limits (a baseline's
-        hook may instead stop the engine, as its worker died)."""
-        if self._oom_hook is not None:
-            return self._oom_hook(self)
-        self.ooms_recovered += 1
-        return []
+        """Nothing advanced, so by default the step's work simply runs again under the backed-off limits. A
+        policy may stop the engine instead (a baseline's worker dies): every request fails, new ones are
+        refused."""
+        decision = self.policy.on_oom()
+        if decision.stop is None:
+            self.ooms_recovered += 1
+            return []
+        self.healthy = False
+        self.stop_reason = decision.stop
+        failed = [*self.scheduler.running, *self.scheduler.waiting]
+        for seq in failed:
+            self.abort(seq.request_id, "error")
+        return [EngineOutput(seq.request_id, [], finish_reason="error") for seq in failed]
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """vLLM's engine-core stop checks, on tokens only and in its order: nothing under min_tokens (at most
@@ -325,14 +342,16 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.policy.observe_finished(len(seq.output_ids), seq.max_tokens, reason)
-        for listener in self.finish_listeners:
-            listener(seq)
+        if self.finish_listeners:
+            record = FinishedRequest.of(seq)
+            for listener in self.finish_listeners:
+                listener(record)
 
     def _record(self, batch: SchedulerOutput, start: float, duration: float, oom: bool) -> StepRecord:
-        self.step_id += 1
+        self._steps += 1
         sched = self.scheduler
         return StepRecord(
-            step_id=self.step_id,
+            step_id=self._steps,
             time=start,
             duration=duration,
             shape=batch.shape,
@@ -348,5 +367,5 @@ class LLMEngine:
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             limits=self.policy.limits().as_dict(),
-            ranks=rank_samples() if (rank_samples := getattr(self.backend.probe, "rank_samples", None)) else [],
+            ranks=self.backend.rank_samples(),
         )

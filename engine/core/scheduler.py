@@ -101,8 +101,7 @@ class Scheduler:
         """Of the unscheduled running sequences (newest first), the one closest to its max_tokens (the newest
         among ties): it holds the most blocks, so fewer sequences are evicted, and it owes the fewest decode
         steps after it is readmitted, so the wait does not lengthen the longest remaining request (the
-        makespan). On the twin at (16, 256, 1024) with 64 blocks this is 687 against 641 output tok/s for
-        vLLM's choice, the newest."""
+        makespan). vLLM evicts the newest instead; the comparison is in bench/results/controller_notes.md."""
         return min(unscheduled, key=lambda s: s.remaining_new_tokens, default=None)
 
     def blocks_owed(self) -> int:

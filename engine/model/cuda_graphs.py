@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.model.triton_decode import triton_unusable_reason
 
 if TYPE_CHECKING:
-    from engine.core.batch import ScheduledItem
     from engine.model.model_config import ModelConfig
 
 logger = logging.getLogger("headroom.engine")
@@ -79,9 +78,23 @@ def decode_graph_kernel(
     return (None, blocker) if blocker else ("triton_decode", "flash-attn absent: Triton's paged decode")
 
 
-def decode_inputs(
-    items: list[ScheduledItem], block_size: int
-) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+class DecodeItem(Protocol):
+    """What a decode-only step's item tells the graph: the engine's ScheduledItem (the model sits below the
+    engine core and names none of its types)."""
+
+    @property
+    def start(self) -> int:
+        """The position of its one new token."""
+        ...
+
+    @property
+    def block_table(self) -> list[int]: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+
+def decode_inputs(items: Sequence[DecodeItem], block_size: int) -> DecodeInputs:
     """A decode-only step's token ids, positions, KV slots and block tables, a row per sequence."""
     positions = [it.start for it in items]
     tables = [it.block_table for it in items]

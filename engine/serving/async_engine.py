@@ -33,11 +33,12 @@ from engine.core.batch import SchedulerOutput
 from engine.core.llm_engine import EngineDeadError, LLMEngine
 from engine.core.outputs import EngineOutput
 from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.core.stats import FinishedRequest
 from engine.frontend.output_processor import OutputProcessor
 from engine.serving.handles import ACCEPTED, RequestHandle, deliver
 from engine.serving.messages import ControllerStats, EngineInfo, EngineSnapshot, PrefillLoad
 from engine.serving.standin import StandInTokenizer
+from telemetry.phases import PhaseTimer
 from telemetry.record import StepRecord
 
 logger = logging.getLogger("headroom.server")
@@ -57,6 +58,13 @@ class QueueFullError(RuntimeError):
         self.retry_after = retry_after
 
 
+def refuse_when_full(waiting: int, bound: int) -> None:
+    """The server's 429: a request is refused once `waiting` requests wait for their first step (the fleet's
+    simulated replicas apply the same rule, bench/fleet/replica.py). Raises QueueFullError."""
+    if waiting >= bound:
+        raise QueueFullError(waiting, bound)
+
+
 @dataclass
 class _Add:
     handle: RequestHandle
@@ -70,7 +78,7 @@ class AsyncEngine:
     engine: LLMEngine
     max_waiting: int = 256
     on_step: list[Callable[[StepRecord], None]] = field(default_factory=list)
-    on_finish: list[Callable[[Sequence], None]] = field(default_factory=list)
+    on_finish: list[Callable[[FinishedRequest], None]] = field(default_factory=list)
     warm_up: Callable[[], None] | None = None  # run on the engine thread before its first step
     tokenizer: Any = None  # the text's; None: the backend's, else the stand-in (the twin has none)
 
@@ -83,6 +91,7 @@ class AsyncEngine:
         self._processor = OutputProcessor(tokenizer)  # engine thread only
         self._outbox: list[tuple[RequestHandle | asyncio.Future[Any], Any]] = []  # engine thread only
         self._ids = itertools.count()
+        self._phases = PhaseTimer()  # this loop's own share of a step: detokenizing, streaming, the snapshot
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False  # no more adds: draining or stopped
@@ -189,21 +198,20 @@ class AsyncEngine:
         return await self._query(PrefillLoad.of)
 
     def phase_totals(self) -> dict[str, float]:
-        """The engine step's seconds by phase (a thread-safe timer, not the engine's own state)."""
-        return self.engine.phases.totals()
+        """A step's seconds by phase: the engine's, and this loop's after each step (both timers thread-safe)."""
+        ours = self._phases.totals()
+        return {phase: seconds + ours[phase] for phase, seconds in self.engine.phase_totals().items()}
 
     # ---- requests (event loop thread) --------------------------------------------------------------
     async def add(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request and wait until the engine accepted it. Raises the engine's RequestError (400),
         EngineDeadError (503) or QueueFullError (429)."""
         handle = RequestHandle(f"req-{next(self._ids)}", len(prompt_ids), self._request_abort)
-        arrival = self.engine.backend.now()  # a clock read: thread-safe on every backend
+        arrival = self.engine.now()  # a clock read: thread-safe on every backend
         with self._lock:
             if self.error is not None or self._stopping or not self.snapshot.healthy:
                 raise EngineDeadError(self.dead_reason())
-            waiting = self.num_waiting()
-            if waiting >= self.max_waiting:
-                raise QueueFullError(waiting, self.max_waiting)
+            refuse_when_full(self.num_waiting(), self.max_waiting)
             self._pending += 1
             self._commands.put(("add", _Add(handle, list(prompt_ids), params, arrival)))
         try:
@@ -236,7 +244,7 @@ class AsyncEngine:
                 self._flush()
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
-                    phases = self.engine.phases
+                    phases = self._phases
                     with phases.span("detokenize_stream"):
                         self._publish(outputs)
                     with phases.span("telemetry"):
@@ -324,9 +332,9 @@ class AsyncEngine:
             handle = self._handles.pop(out.request_id) if out.finish_reason else self._handles[out.request_id]
             self._outbox.append((handle, out))
 
-    def _finish_listener(self, seq: Sequence) -> None:
+    def _finish_listener(self, request: FinishedRequest) -> None:
         for listener in self.on_finish:
-            self._call(listener, seq)
+            self._call(listener, request)
 
     def _step_listener(self, record: StepRecord, batch: SchedulerOutput) -> None:
         for listener in self.on_step:

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from engine.config import EngineConfig, ServerConfig
 from engine.core.kv_pool import StartupProfilingError
 from engine.core.llm_engine import LLMEngine
-from engine.core.sequence import Sequence
+from engine.core.stats import FinishedRequest
 from engine.factory import build_engine
 from engine.model.tensor_parallel import TensorParallelError
 from engine.serving.app import create_app
@@ -47,11 +47,10 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
         engine,
         scfg.max_waiting,
         on_step=[metrics.observe_step, trace.append],
-        on_finish=[lambda seq: _observe_finished(metrics, backend.now(), seq)],
+        on_finish=[lambda request: _observe_finished(metrics, backend.now(), request)],
         warm_up=warm_up if ecfg.backend == "torch" else None,
         tokenizer=tokenizer,
     )
-    config = getattr(backend, "config", None)
     ctx = AppContext(
         engine=server,
         model_name=names[0],
@@ -59,11 +58,11 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
         api_key=scfg.api_key,
         metrics=metrics,
         trace=trace,
-        vocab_size=getattr(config, "vocab_size", None) or getattr(backend, "vocab_size", None),
+        vocab_size=backend.vocab_size,
         other_names=tuple(names[1:]),
         admin_key=scfg.admin_key,
         bind_host=scfg.host,
-        plant=plant_choices(ecfg, engine),
+        plant=backend.info().as_dict(),
     )
     _warn_if_exposed(ctx, scfg.host)
     logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, scfg.max_waiting)
@@ -79,7 +78,7 @@ def _load_engine(ecfg: EngineConfig) -> LLMEngine:
     t0 = time.monotonic()
     engine = build_engine(ecfg)
     backend = engine.backend
-    for what, choice in plant_choices(ecfg, engine).items():
+    for what, choice in backend.info().as_dict().items():
         logger.info("%s: %s", what, choice)
     logger.info(
         "allocated KV cache: %d blocks x %d tokens, max_model_len %d (model %s, %.1f s)",
@@ -88,31 +87,16 @@ def _load_engine(ecfg: EngineConfig) -> LLMEngine:
     return engine
 
 
-def plant_choices(ecfg: EngineConfig, engine: LLMEngine) -> dict[str, str]:
-    """What the torch backend chose at start-up and why (dtype, quantization, attention, the KV pool's layout):
-    logged, and shown in GET /controller/state, where a fallback that costs speed (a pool copied on a resize, no
-    flash-attn) is seen without reading the log. Empty for the twin, which chooses nothing."""
-    backend = engine.backend
-    if ecfg.backend != "torch":
-        return {}
-    return {
-        "dtype": f"{str(backend.dtype).removeprefix('torch.')} ({backend.dtype_reason})",
-        "quantization": backend.quant_reason,
-        "attention": f"{backend.attention}, block size {backend.block_size} ({backend.kernel_reason})",
-        "kv_pool": backend.kv_layout,
-    }
-
-
-def _observe_finished(metrics: Metrics, now: float, seq: Sequence) -> None:
+def _observe_finished(metrics: Metrics, now: float, request: FinishedRequest) -> None:
     """A finished request's histograms (on the engine thread, from its finish listener)."""
     timing = RequestTiming(
-        arrival=seq.arrival_time,
+        arrival=request.arrival_time,
         finished=now,
-        first_scheduled=seq.first_scheduled_time,
-        first_token=seq.first_token_time,
-        token_times=list(seq.token_times),
+        first_scheduled=request.first_scheduled_time,
+        first_token=request.first_token_time,
+        token_times=list(request.token_times),
     )
-    metrics.observe_request_finished(seq.prompt_len, len(seq.output_ids), seq.finish_reason or "abort", timing)
+    metrics.observe_request_finished(request.prompt_len, len(request.output_ids), request.finish_reason, timing)
 
 
 def _warn_if_exposed(ctx: AppContext, host: str) -> None:

@@ -37,11 +37,11 @@ class EngineSnapshot:
     @classmethod
     def of(cls, engine: LLMEngine, num_requests: int) -> EngineSnapshot:
         """Read on the engine thread (or before it starts)."""
-        sched, alloc, cache = engine.scheduler, engine.allocator, engine.prefix_cache
+        s = engine.stats()
         return cls(
-            engine.healthy, engine.step_id, engine.ooms, engine.ooms_recovered, len(sched.running),
-            len(sched.waiting), num_requests, alloc.num_used, alloc.num_free, alloc.num_blocks, alloc.block_size,
-            engine.max_model_len, cache.queries if cache else 0, cache.hits if cache else 0,
+            s.healthy, s.steps, s.ooms, s.ooms_recovered, s.num_running, s.num_waiting, num_requests,
+            s.kv_blocks_used, s.kv_blocks_free, s.kv_blocks_total, s.block_size, s.max_model_len,
+            s.prefix_cache_queries, s.prefix_cache_hits,
         )  # fmt: skip
 
 
@@ -57,9 +57,7 @@ class EngineInfo:
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         backend = engine.backend
-        return cls(
-            backend.model_name, engine.max_model_len, type(backend).__name__, getattr(engine.policy, "name", None)
-        )
+        return cls(backend.model_name, engine.max_model_len, type(backend).__name__, engine.policy.name)
 
 
 @dataclass(frozen=True, slots=True)

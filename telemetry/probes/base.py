@@ -19,3 +19,8 @@ class MemoryProbe(Protocol):
     def sample(self) -> MemorySample:
         """What the last completed (or failed) step measured."""
         ...
+
+    def add_idle(self, nbytes: int) -> None:
+        """The bytes the backend holds at rest (weights, the KV pool) changed by `nbytes`, a KV pool resize: a
+        probe that computes its idle baseline moves it; one that reads the device's memory ignores it."""
+        ...

@@ -243,7 +243,7 @@ class CpuProbe:
         measure_overhead: bool = True,
         cgroup: CgroupMemory | None = None,
     ) -> None:
-        """`idle_bytes`: weights + KV pool, set (or updated later via the attribute) by the backend.
+        """`idle_bytes`: weights + KV pool, set by the backend (and moved by `add_idle` when its pool is resized).
         `sample_every`: track every Nth step (1 = every step, 0 = only shapes not seen before).
         `overhead_budget`: skip the periodic samples while tracking has cost more than this fraction of
         total step time (None: no cap). New shapes are always sampled.
@@ -265,10 +265,13 @@ class CpuProbe:
         self.ops_tracked = 0
         self.ooms = 0  # emulated OOMs raised (cumulative, like the CUDA allocator's num_ooms)
         self.bookkeeping_seconds = 0.0  # timed inside the hook
-        self.overhead_seconds = 0.0  # cumulative cost of tracking: what to report
+        self.overhead_seconds = 0.0  # cumulative cost of tracking, held against overhead_budget
         self.last_step_overhead = 0.0
         self.step_seconds = 0.0  # wall time inside all step brackets (tracking included)
         self._plain_duration: dict[tuple[int, int, int], float] = {}  # mean unsampled step, per bucket
+
+    def add_idle(self, nbytes: int) -> None:
+        self.idle_bytes += nbytes
 
     @property
     def hook_overhead_seconds(self) -> float:

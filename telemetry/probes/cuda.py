@@ -83,6 +83,9 @@ class CudaProbe:
         # the allocator's reserved bytes when device_used was last read (see MemorySample.device_used_reserved)
         self._read_reserved = _reserved_now(torch.cuda.memory_stats(device)) + outside()
 
+    def add_idle(self, nbytes: int) -> None:
+        """The allocator and NVML see the pool's bytes themselves."""
+
     def _device_memory(self) -> tuple[int | None, int | None, bool]:
         """(used, total, whether this call read them from the driver rather than returning held values)."""
         if self.nvml is not None and self.nvml.available:

@@ -35,3 +35,6 @@ class NullProbe:
 
     def sample(self) -> MemorySample:
         return self._last
+
+    def add_idle(self, nbytes: int) -> None:
+        self.idle_bytes += nbytes

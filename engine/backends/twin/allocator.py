@@ -10,7 +10,8 @@ fail after a different shape ran before it.
 
 from __future__ import annotations
 
-MIB = 1 << 20
+from telemetry.units import MIB
+
 SMALL_SIZE = 1 << 20  # allocations up to 1 MiB come from the small pool (2 MiB segments)
 SMALL_SEGMENT = 2 << 20
 MIN_LARGE_ALLOC = 10 << 20  # below this a large allocation gets a 20 MiB segment

@@ -18,6 +18,7 @@ from engine.backends.twin.memory import MEMO_SIZE, MemoryModel, StepMemory, Step
 from engine.backends.twin.profile import DEFAULT_PROFILE, Profile, load_profile
 from engine.backends.twin.sensors import GraphMemory, NvmlSensor
 from engine.config import TWIN_SENSORS
+from engine.core.backend import Backend, BackendDefaults, BackendInfo
 from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
 from engine.core.sequence import TokenLogprob
@@ -53,9 +54,17 @@ class TwinProbe(NullProbe):
         return sample if sample is not None else self._last
 
 
-class TwinBackend:
+def as_twin(backend: Backend) -> TwinBackend:
+    """`backend` as the twin, for a scenario that acts on the modelled card beside the engine (another process's
+    memory, fragmentation, the NVML period): one handed any other backend fails here, by name, rather than on its
+    first call of a method only the twin has."""
+    if not isinstance(backend, TwinBackend):
+        raise TypeError(f"this scenario runs on the twin (--backend twin), not on {type(backend).__name__}")
+    return backend
+
+
+class TwinBackend(BackendDefaults):
     tokenizer = None
-    token_at = staticmethod(filler_token)
     samples = True  # False: a tensor-parallel rank other than the driver, which computes no logits
 
     def __init__(
@@ -92,6 +101,7 @@ class TwinBackend:
         self.logits_all = bool(eng["logits_all_prompt_tokens"])
         self.latency = _latency_model(self.profile)  # read-only after construction: shared
         self.memory = MemoryModel(self.profile, num_blocks, block_size)
+        self.sensors = sensors
         self.graphs = GraphMemory.from_profile(self.profile) if sensors == "realistic" else None
         if self.graphs is not None:
             self.memory.set_graph_bytes(self.graphs.reserved)
@@ -110,6 +120,15 @@ class TwinBackend:
     @property
     def block_bytes(self) -> int:
         return self.memory.block_bytes
+
+    def info(self) -> BackendInfo:
+        """The twin chooses nothing: it says what it models, and from which profile."""
+        return BackendInfo(
+            dtype=f"not modelled: twin profile {self.profile.name} models time and memory, not numerics",
+            quantization="not modelled: the profile's weight bytes, as measured",
+            attention=f"the profile's kernel tables, block size {self.block_size} ({self.sensors} sensors)",
+            kv_pool="modelled as resized in place, as in CUDA virtual memory",
+        )
 
     # -- clock -----------------------------------------------------------------------------------
     def now(self) -> float:
@@ -159,21 +178,20 @@ class TwinBackend:
         ]
         return ModelOutput(tokens, logprobs)
 
-    def decode_step(self, n: int, context: int, until: float = float("inf")) -> bool:
-        """One decode-only step of `n` sequences with `context` KV tokens in all, exactly as execute() would
-        model it, for the bench's fast path (bench.loadgen). Returns False and changes nothing when
-        the step would start at or after `until` or would run out of memory: the engine runs that one."""
+    def decode_step(self, positions: list[int], until: float) -> list[int] | None:
+        """One decode-only step of sequences writing their KV at `positions`, exactly as execute() would model
+        it (Backend.decode_step, for LLMEngine.decode_burst); their tokens. None, and nothing changed, when the
+        step would start at or after `until` or would run out of memory: the engine runs that one."""
         if self.now() >= until:
-            return False
-        m = self.memory
+            return None
+        m, n = self.memory, len(positions)
         saved = m.checkpoint()
-        mem = StepMemory(n, n, 0)  # every decode row is sampled, so logits rows = n either way
-        res = m.run_step(mem)
+        res = m.run_step(StepMemory(n, n, 0))  # every decode row is sampled, so logits rows = n either way
         if res.oom is not None:
             m.restore(saved)
-            return False
-        self._finish_step(self.latency.decode_step_time(n, context, n, n), res)
-        return True
+            return None
+        self._finish_step(self.latency.decode_step_time(n, sum(positions) + n, n, n), res)
+        return [filler_token(pos + 1) for pos in positions]
 
     def _run(self, duration: float, mem: StepMemory) -> StepResult:
         res = self.memory.run_step(mem)

@@ -18,12 +18,14 @@ A step that runs out of memory on either rank fails on both, as the torch group'
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
 from engine.backends.rank_probes import RankProbes
-from engine.backends.twin.backend import TwinBackend, filler_token
+from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.profile import Profile, load_profile
+from engine.core.backend import BackendInfo, ForwardingBackend
 from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.kv_cache import ResizePlan
 from telemetry.record import RankSample
@@ -47,9 +49,9 @@ def rank_profile(profile: Profile, rank: int, size: int) -> Profile:
     return Profile(f"{profile.name}-tp{size}-rank{rank}", data, profile.kernels)
 
 
-class TwinGroup:
-    tokenizer = None
-    token_at = staticmethod(filler_token)
+class TwinGroup(ForwardingBackend):
+    """Rank 0 for what the group shares (the model's name and context, the pool's size and block bytes); the step,
+    the clock, the pool's resizes and the swaps on every rank."""
 
     def __init__(
         self,
@@ -67,14 +69,20 @@ class TwinGroup:
             TwinBackend(rank_profile(base, r, size), num_blocks, block_size, False, max_model_len, sensors)
             for r in range(size)
         ]
+        super().__init__(self.ranks[0])
         for worker in self.ranks[1:]:
             worker.samples = False
         self.size = size
-        self.probe = RankProbes([b.probe for b in self.ranks], self.rank_samples)
+        self._probe = RankProbes([b.probe for b in self.ranks], self.rank_samples)
 
-    def __getattr__(self, name: str) -> object:
-        """Rank 0 for what the group shares: the model's name and context, the pool's size and block bytes."""
-        return getattr(self.ranks[0], name)
+    @property
+    def probe(self) -> RankProbes:
+        return self._probe
+
+    def info(self) -> BackendInfo:
+        """Rank 0's, its attention line naming the group."""
+        info = self.ranks[0].info()
+        return dataclasses.replace(info, attention=f"{info.attention}; tensor parallel over {self.size} ranks")
 
     def rank_samples(self) -> list[RankSample]:
         return [RankSample(r, b.probe.sample(), b.num_blocks, b.block_bytes) for r, b in enumerate(self.ranks)]
