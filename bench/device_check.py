@@ -57,7 +57,7 @@ RESULTS = Path("bench/results/device_check.md")
 # and time, not numerics.
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}  # fmt: skip
-# vocab above 1000: start-up pool sizing fills its prompts with ids up to 1000 (engine/core/kv_pool.py)
+# vocab above 1000: start-up pool sizing fills its prompts with ids up to 1000 (engine/core/kv/sizing.py)
 TINY = ModelConfig(1024, 64, 128, 2, 4, 2, 16, max_position_embeddings=4096)
 GPU_PLAN = Plan(
     pool_tokens=49152,  # the roofline's decode at batch 64 holds 64 x 544 tokens

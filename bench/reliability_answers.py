@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from bench.harness.http import Answer, request
-from engine.serving.standin import FILLER
+from engine.model.standin_tokenizer import FILLER
 
 IDLE_TIMEOUT_S = 15.0  # after a scenario: how long the server may take to free aborted requests' KV
 REQUEST_TIMEOUT_S = 300.0  # a request that takes longer counts as hung

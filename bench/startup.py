@@ -79,7 +79,8 @@ def stages() -> list[tuple[str, int]]:
     out.append(("import torch", rss()["VmRSS"]))
     import engine.serving.launch  # noqa: F401 - the server's imports (fastapi, the engine, telemetry)
     from engine.backends.torch_backend import CPU_KV_TOKENS
-    from engine.model.attention import allocate_kv_cache, build_attention_metadata
+    from engine.core.kv.tensors import allocate_kv_cache
+    from engine.model.attention import build_attention_metadata
     from engine.model.dtype_choice import choose_dtype
     from engine.model.loaders import load
     from engine.model.loaders.cache import ModelCache
@@ -159,7 +160,7 @@ def report(flags: list[str], starts: list[Start], steps: list[tuple[str, int]], 
         "",
         "RssFile counts the weights mapped from the cache entry's model.safetensors (page cache, shared and",
         "reclaimable) once they are touched; on a cold start the converted weights are anonymous memory instead.",
-        "The KV pool's pages become resident as blocks are written (engine/model/attention.py: zeroed_kv_tensor); the",
+        "The KV pool's pages become resident as blocks are written (engine/core/kv/tensors.py: zeroed_kv_tensor); the",
         "last row is what zeroing the whole pool at start-up cost.",
         "",
         "Server log, warm start (tail):",

@@ -85,7 +85,7 @@ def main() -> None:
         f"output tokens mean {sum(outs) / len(outs):.0f} (max {max(outs)}). Twin profile `{PROFILE}`. KV pool: "
         "vllm has the held-out run's 2588 blocks of 16 (41,408 tokens, `gpu_memory_utilization` 0.9); adaptive "
         "has no `--num-blocks`, so the controller sizes its pool at start-up from what its profiling steps "
-        "measured (engine/core/kv_pool.py) and resizes it online. Prefix caching is on for both (as in the held-out "
+        "measured (engine/core/kv/sizing.py) and resizes it online. Prefix caching is on for both (as in the held-out "
         "run): the trace's prompts share nothing, so the hits are a preempted request's own blocks when it is "
         "recomputed. Latencies are twin numbers (virtual time). At 10 requests/s this load is far beyond what "
         "either pool serves, so TTFT is queueing.",

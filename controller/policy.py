@@ -20,7 +20,7 @@ from telemetry.record import MemorySample, StepRecord
 
 @dataclass(frozen=True, slots=True)
 class PoolProfile:
-    """The start-up profiling steps a policy sizes the KV pool from (engine/core/kv_pool.py runs them): a
+    """The start-up profiling steps a policy sizes the KV pool from (engine/core/kv/sizing.py runs them): a
     prefill of `prefill_tokens` prompt tokens, twice, then a decode of `decode_rows` sequences."""
 
     prefill_tokens: int
@@ -72,6 +72,9 @@ class Policy(Protocol):
     # The Scheduler subclass that packs the steps (a baseline's engine rules, engine/baselines/); None: the
     # engine's own Scheduler, which the controller cannot name.
     scheduler_class: ClassVar[type | None] = None
+    # Whether the budget never moves and `observe` learns nothing: then steps whose schedule cannot change may
+    # run back to back without either (the engine's decode burst, for the benchmarks' virtual time).
+    feedback_free: ClassVar[bool] = False
 
     def limits(self) -> Limits:
         """The limits of the next step (the budget's); the step's record carries them."""
@@ -137,6 +140,7 @@ class StaticPolicy(Policy):
     the size it was built with."""
 
     name = "static"
+    feedback_free = True  # a subclass that overrides observe or step_budget says False
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits

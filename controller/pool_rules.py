@@ -1,5 +1,5 @@
 """The KV pool size: the last static cap, set by the controller from the memory it measures. The adaptive
-policy's pool rules (engine/core/kv_pool.py profiles the start-up steps and the engine resizes).
+policy's pool rules (engine/core/kv/sizing.py profiles the start-up steps and the engine resizes).
 
 Once every step's peak is bounded by the budget, memory that a hand-set pool keeps free for unbounded
 prefills can hold KV instead. The pool is sized so that, beside it, the device keeps

@@ -114,7 +114,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
 
 
 def sizes_kv_pool(cfg: EngineConfig) -> bool:
-    """Without --num-blocks the adaptive controller sizes the pool (engine/core/kv_pool.py) where the capacity is
+    """Without --num-blocks the adaptive controller sizes the pool (engine/core/kv/sizing.py) where the capacity is
     a real bound (`memory_bounded`). On a plain CPU the capacity is all of the host's RAM, which is not the
     engine's to fill, so the default pool stays, as it does for every other policy."""
     return cfg.num_blocks is None and cfg.policy == "adaptive" and memory_bounded(cfg)
@@ -125,7 +125,7 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
     wanted = policy.kv_pool_profile() if sizes_kv_pool(cfg) else None
     if wanted is None:
         return LLMEngine(build_backend(cfg), policy, cfg.enable_prefix_caching)
-    from engine.core.kv_pool import profile_blocks, size_kv_pool
+    from engine.core.kv.sizing import profile_blocks, size_kv_pool
 
     block_size = cfg.block_size or _default_block_size(cfg)
     start = profile_blocks(wanted.prefill_tokens, block_size)

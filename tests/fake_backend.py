@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.core.backend import BackendDefaults, BackendInfo
 from engine.core.batch import ModelOutput, SchedulerOutput
-from engine.core.kv_cache import ResizePlan
+from engine.core.kv.blocks import ResizePlan
 from telemetry.probes.null import NullProbe
 
 

@@ -16,7 +16,7 @@ from controller.limits import Limits
 from controller.policy import Policy
 from controller.step_budget import Packer
 from engine.core.batch import ModelOutput
-from engine.core.kv_cache import BlockAllocator
+from engine.core.kv.blocks import BlockAllocator
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence

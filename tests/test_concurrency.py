@@ -23,10 +23,10 @@ import pytest
 from controller.adaptive import DECISIONS_KEPT, AdaptivePolicy
 from engine.core.batch import ModelOutput, SchedulerOutput
 from engine.core.llm_engine import LLMEngine
+from engine.model.standin_tokenizer import StandInTokenizer
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext
-from engine.serving.standin import StandInTokenizer
 from telemetry.metrics import Metrics
 from telemetry.probes.null import NullProbe
 from telemetry.record import MemorySample, StepShape

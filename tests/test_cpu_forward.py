@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from engine.backends.torch_backend import TorchBackend
+from engine.core.kv.tensors import allocate_kv_cache
 from engine.model import cpu_kernels
-from engine.model.attention import allocate_kv_cache, build_attention_metadata
+from engine.model.attention import build_attention_metadata
 from tests.kernel_build import require_cpu_kernels
 
 BLOCK = 16

@@ -12,10 +12,10 @@ from engine.baselines.seed import FixedPolicy
 from engine.core.llm_engine import LLMEngine, RequestError, default_max_tokens
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
+from engine.model.standin_tokenizer import StandInTokenizer
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext
-from engine.serving.standin import StandInTokenizer
 from tests.fake_backend import FakeBackend
 
 NUM_BLOCKS, BLOCK_SIZE, CONTEXT = 16, 4, 512  # a 64-token pool under a 512-token context: the pool binds

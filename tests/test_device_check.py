@@ -35,7 +35,7 @@ def test_the_script_runs_the_cuda_tests_then_the_checks_and_names_what_did_not_r
     results = {r["name"]: r for r in data["results"]}
     tests = {name: r for name, r in results.items() if "::" in name}
     assert (
-        "tests.test_kv_arena::test_the_pool_on_a_real_card_is_in_virtual_memory_packs_its_blocks_and_gives_them_back"
+        "tests.test_kv_vmm::test_the_pool_on_a_real_card_is_in_virtual_memory_packs_its_blocks_and_gives_them_back"
         in tests
     )
     assert tests and all(r["passed"] is None and r["skipped"] for r in tests.values())

@@ -149,7 +149,7 @@ def test_generate_cli_answers_paris():
 
 
 def test_kv_pool_resizes_between_steps_keep_greedy_tokens(invariant_dtype, reference):
-    """Grow, then shrink with in-use blocks moved down (engine/core/kv_cache.py), between steps on the real
+    """Grow, then shrink with in-use blocks moved down (engine/core/kv/blocks.py), between steps on the real
     model: the KV copied by resize_kv_cache must be exactly what attention reads afterwards."""
     llm = LLM("default", num_blocks=64, dtype=invariant_dtype)
     engine = llm.engine

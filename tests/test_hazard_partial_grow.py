@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.model import attention
+from engine.core.kv import tensors
 from engine.model.cuda_graphs import Replay
 from tests import test_cuda_graphs
 from tests.test_cuda_graphs import backend, generate, prompts
@@ -46,7 +46,7 @@ class BoundCapture:
 
 def fail_after(calls: int) -> Callable:
     """zeroed_kv_tensor that runs out of memory from its `calls`+1-th call on (a grow part way)."""
-    real, made = attention.zeroed_kv_tensor, []
+    real, made = tensors.zeroed_kv_tensor, []
 
     def zeroed(*args, **kwargs) -> torch.Tensor:
         if len(made) >= calls:
@@ -66,7 +66,7 @@ def test_hazard_partial_grow_leaves_a_whole_cache_and_valid_graphs(tiny, fake_fl
     assert b.graphs.replays
 
     with monkeypatch.context() as m:
-        m.setattr(attention, "zeroed_kv_tensor", fail_after(1))  # the first K tensor grows, the next fails
+        m.setattr(tensors, "zeroed_kv_tensor", fail_after(1))  # the first K tensor grows, the next fails
         with pytest.raises(torch.OutOfMemoryError):
             engine.resize_kv_pool(16)
     assert b.num_blocks == engine.allocator.num_blocks == 8

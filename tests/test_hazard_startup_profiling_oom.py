@@ -1,4 +1,4 @@
-"""Issue #25, hazard 5: start-up profiling (engine/core/kv_pool.py) halves a step that runs out of memory; where
+"""Issue #25, hazard 5: start-up profiling (engine/core/kv/sizing.py) halves a step that runs out of memory; where
 even a 1-token prefill or a 1-row decode runs out, or the probe never measures a step, it used to retry forever and
 `headroom serve` hung. It must stop with an error that says so. The fake counts the steps and fails the test after
 `STEP_LIMIT`, so the old code fails here instead of hanging."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine.cli import engine_config
-from engine.core import kv_pool
 from engine.core.batch import ModelOutput, SchedulerOutput
-from engine.core.kv_pool import profile
+from engine.core.kv import sizing
+from engine.core.kv.sizing import profile
 from engine.core.llm_engine import LLMEngine
 from engine.factory import build_engine
 from telemetry.record import MemorySample
@@ -61,7 +61,7 @@ def test_a_one_row_decode_that_runs_out_of_memory_stops_start_up(monkeypatch: py
 def test_a_probe_that_never_samples_stops_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = engine_whose_steps(monkeypatch, lambda batch: False)
     monkeypatch.setattr(engine.backend.probe, "sample", lambda: MemorySample(capacity=1 << 30, sampled=False))
-    monkeypatch.setattr(kv_pool, "MAX_UNSAMPLED_STEPS", 8, raising=False)  # the real bound is 1024 steps
+    monkeypatch.setattr(sizing, "MAX_UNSAMPLED_STEPS", 8, raising=False)  # the real bound is 1024 steps
     with pytest.raises(RuntimeError, match="measured none of 8 steps"):
         profile(engine, 1024, 256)
     assert len(engine.steps) == 8

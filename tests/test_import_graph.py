@@ -1,9 +1,11 @@
 """The shape of the code, read from the source with `ast` (nothing is imported): no import cycle between
-modules, dependencies pointing one way (telemetry <- controller <- engine, docs/architecture.md), and no
-module or function too long to read at once.
+modules, dependencies pointing one way (telemetry <- controller <- engine <- bench <- headroom, and inside
+engine/ down its layers: docs/architecture.md), and no module or function too long to read at once.
 
 Every import counts, wherever it sits: at the top, inside a function (a lazy import is still a dependency)
-or under `if TYPE_CHECKING:` (a cycle there still means the two modules cannot be understood apart). An
+or under `if TYPE_CHECKING:` (a cycle there still means the two modules cannot be understood apart), and so
+does a module loaded by name (`importlib.import_module("bench.cli")`, or from a list of names): a dependency
+that only a string spells is still one. An
 import of `a.b.c` is an edge to that module only, not to the packages above it: Python runs their
 `__init__` too, but a package that imports its own modules would otherwise form a cycle with each of them.
 """
@@ -16,9 +18,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "controller", "telemetry")
+GRAPHED = (*PACKAGES, "bench", "headroom")  # the import graph's modules; only PACKAGES are held to the lengths
 EXEMPT = ("tests", "bench")  # test and benchmark code may run long: each file is one scenario
-OURS = {*PACKAGES, "bench", "tests"}
-ALLOWED = {"telemetry": {"telemetry"}, "controller": {"controller", "telemetry"}}  # of ours, by package
+OURS = {*GRAPHED, "tests"}
+ALLOWED = {  # of ours, by package
+    "telemetry": {"telemetry"},
+    "controller": {"controller", "telemetry"},
+    "engine": {"engine", "controller", "telemetry"},
+    "bench": {"bench", "engine", "controller", "telemetry", "tests"},  # tests: the tiny model their fixtures build
+}
+# engine/ from the bottom up: a module imports only from its own layer and those below. The model knows nothing
+# of the engine loop; the core (scheduler, KV, the contracts) nothing of the backends that implement them; the
+# server sits on top of the offline engine and its flags.
+ENGINE_LAYERS = (
+    ("engine.config", "engine.cache_dir", "engine.openmp"),
+    ("engine.model",),
+    ("engine.core",),
+    ("engine.baselines", "engine.frontend"),
+    ("engine.backends",),
+    ("engine.factory",),
+    ("engine.llm",),
+    ("engine.cli",),
+    ("engine.serving",),
+    ("engine",),  # the package itself
+)
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -29,7 +52,7 @@ def module_name(path: Path) -> str:
 
 
 def our_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+    return {module_name(p): p for package in GRAPHED for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def imported_names(name: str, path: Path, tree: ast.Module) -> Iterator[str]:
@@ -45,6 +68,23 @@ def imported_names(name: str, path: Path, tree: ast.Module) -> Iterator[str]:
                 base = ".".join([*anchor, *([base] if base else [])])
             yield base
             yield from (f"{base}.{alias.name}" for alias in node.names)
+    yield from loaded_by_name(tree)
+
+
+def loaded_by_name(tree: ast.Module) -> Iterator[str]:
+    """Modules a call to importlib.import_module (or __import__) loads: its argument where it is a string, and
+    where it is not (a name from a list), every string in the module, of which our module names are kept."""
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None))
+        in ("import_module", "__import__")
+    ]
+    literal = [c.args[0].value for c in calls if c.args and isinstance(c.args[0], ast.Constant)]
+    yield from (name for name in literal if isinstance(name, str))
+    if len(literal) < len(calls):
+        yield from (n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
 
 
 def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
@@ -103,8 +143,31 @@ def test_no_import_cycle_between_modules() -> None:
     assert not found, "import cycles:\n" + "\n".join(described)
 
 
+def test_a_module_loaded_by_name_is_an_edge() -> None:
+    direct = ast.parse("import importlib\nimportlib.import_module('bench.cli')")
+    listed = ast.parse("from importlib import import_module\nNAMES = ('bench.cli',)\nfor n in NAMES: import_module(n)")
+    assert list(loaded_by_name(direct)) == ["bench.cli"] and "bench.cli" in set(loaded_by_name(listed))
+
+
+def engine_layer(module: str) -> int:
+    """Where `module` sits in ENGINE_LAYERS (the longest matching prefix); -1 outside them."""
+    matches = [
+        (len(p), i) for i, layer in enumerate(ENGINE_LAYERS) for p in layer if module == p or module.startswith(p + ".")
+    ]
+    return max(matches)[1] if matches else -1
+
+
+def test_inside_engine_every_import_points_down_its_layers() -> None:
+    edges, _ = import_graph()
+    engine = [m for m in edges if m == "engine" or m.startswith("engine.")]
+    assert not [m for m in engine if engine_layer(m) < 0], "engine modules in no layer"
+    upward = [f"{a} imports {b}" for a in engine for b in edges[a] if engine_layer(b) > engine_layer(a)]
+    assert not upward, "\n".join(upward)
+
+
 def test_dependencies_point_one_way() -> None:
-    """telemetry imports nothing of ours; controller only telemetry, and never torch."""
+    """telemetry imports nothing of ours; controller only telemetry, and never torch; engine nothing of bench or
+    the console script; bench nothing of the console script."""
     _, tops = import_graph()
     wrong = []
     for name, imported in sorted(tops.items()):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv.tensors import allocate_kv_cache
 from engine.factory import _default_block_size
-from engine.model.attention import allocate_kv_cache, build_attention_metadata, paged_attention
+from engine.model.attention import build_attention_metadata, paged_attention
 from engine.model.kernel_choice import choose_kernel, flash_attn_load_error
 from engine.model.llama import ModelConfig
 

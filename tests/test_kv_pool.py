@@ -8,7 +8,7 @@ import torch
 
 from engine.backends.twin.backend import TwinBackend
 from engine.baselines.seed import FixedPolicy
-from engine.core.kv_cache import BlockAllocator
+from engine.core.kv.blocks import BlockAllocator
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from telemetry.units import MIB
@@ -94,7 +94,7 @@ def test_twin_resize_moves_the_limit_and_charges_the_mapping():
     assert b.probe.idle_bytes == m.persistent
     # a step that never reaches the device next (an injected OOM) reports the grown pool, as a real probe would
     assert b.probe.sample().reserved >= m.persistent and b.probe.sample().idle_baseline >= m.persistent
-    # in place (engine/model/kv_arena.py): 32 new blocks (1 GiB) zeroed at 950 GB/s, 32 maps of 100 us
+    # in place (engine/core/kv/vmm.py): 32 new blocks (1 GiB) zeroed at 950 GB/s, 32 maps of 100 us
     cost = b.now() - t0
     assert cost == pytest.approx(32 * m.block_bytes / 950e9 + 32 * 1e-4)
     assert cost == b.resize_cost(plan)
@@ -129,10 +129,10 @@ def test_twin_shrink_with_no_free_memory_goes_through():
 def test_torch_shrink_with_no_device_memory_stages_through_the_host(monkeypatch):
     """The CUDA shrink with fakes: the first new tensor cannot be allocated on the device, so its kept
     blocks go to the host and back after the old tensor is dropped; every block kept is intact."""
-    from engine.model import attention
+    from engine.core.kv import tensors
 
     calls = []
-    real = attention.zeroed_kv_tensor
+    real = tensors.zeroed_kv_tensor
 
     def zeroed_oom_once(shape, dtype, device):
         calls.append(shape)
@@ -140,10 +140,10 @@ def test_torch_shrink_with_no_device_memory_stages_through_the_host(monkeypatch)
             raise torch.OutOfMemoryError("no device memory")
         return real(shape, dtype, device)
 
-    monkeypatch.setattr(attention, "zeroed_kv_tensor", zeroed_oom_once)
+    monkeypatch.setattr(tensors, "zeroed_kv_tensor", zeroed_oom_once)
     layers = [(torch.arange(24.0).view(6, 2, 2), -torch.arange(24.0).view(6, 2, 2)) for _ in range(2)]
     caches = [(k.clone(), v.clone()) for k, v in layers]
-    attention.resize_kv_cache(caches, 3, {5: 1})
+    tensors.resize_kv_cache(caches, 3, {5: 1})
     assert calls == [(3, 2, 2)] * 5  # the failed one, its staged retry, and the other three tensors
     for (k, v), (k0, v0) in zip(caches, layers, strict=True):
         assert k.shape == v.shape == (3, 2, 2)
@@ -164,7 +164,7 @@ def test_torch_resize_on_cuda_path_keeps_one_tensor_per_layer_and_empties_the_ca
     """The CUDA mechanism with fakes (no GPU here): a new tensor per K and V per layer, the kept and moved
     blocks copied, the rest zeroed, then torch.cuda.empty_cache so the old tensors go back to the driver."""
     from engine.backends.torch_backend import TorchBackend
-    from engine.core.kv_cache import ResizePlan
+    from engine.core.kv.blocks import ResizePlan
     from telemetry.probes.null import NullProbe
 
     emptied = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.attention import allocate_kv_cache, resize_kv_cache
+from engine.core.kv.tensors import allocate_kv_cache, resize_kv_cache
 from engine.model.llama import ModelConfig
 from telemetry.probes.cpu import tensor_bytes
 from telemetry.units import MIB

@@ -21,10 +21,10 @@ from fastapi.testclient import TestClient
 
 from controller.adaptive import AdaptivePolicy
 from engine.core.llm_engine import LLMEngine
+from engine.model.standin_tokenizer import StandInTokenizer
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext, is_loopback
-from engine.serving.standin import StandInTokenizer
 from tests.conftest import start_server
 from tests.fake_backend import FakeBackend
 from tests.test_server_errors import assert_error

@@ -10,8 +10,9 @@ import jinja2
 import pytest
 import torch
 
+from engine.core.kv.tensors import allocate_kv_cache
 from engine.model import loaders
-from engine.model.attention import allocate_kv_cache, build_attention_metadata
+from engine.model.attention import build_attention_metadata
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.gguf import GGUFFile
 from engine.model.loaders.hf import read_tokenizer

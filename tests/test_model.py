@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from engine.backends.torch_backend import TorchBackend
 from engine.baselines.seed import FixedPolicy
 from engine.core.batch import ScheduledItem, SchedulerOutput
-from engine.core.kv_cache import BlockAllocator
+from engine.core.kv.blocks import BlockAllocator
+from engine.core.kv.tensors import allocate_kv_cache
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
-from engine.model.attention import allocate_kv_cache, build_attention_metadata, check_backend, paged_attention
+from engine.model.attention import build_attention_metadata, check_backend, paged_attention
 from engine.model.llama import ModelConfig, rope_inv_freq
 from tests.fixtures_llama import build_tiny_llama
 from tests.kernel_build import require_cpu_kernels
@@ -320,7 +321,7 @@ def test_token_slice_equals_slicing_token_ids() -> None:
 
 
 def test_preemption_by_swap_on_the_torch_backend_matches_alone(tiny) -> None:
-    """The torch swap path (engine/model/attention.py swap_out_blocks / swap_in_blocks), forced on for the CPU (it
+    """The torch swap path (engine/core/kv/tensors.py swap_out_blocks / swap_in_blocks), forced on for the CPU (it
     is on for CUDA only): a pool so small that requests are preempted gives the tokens of the lone runs,
     with every preempted sequence swapped back in and none of its tokens recomputed."""
     backend = TorchBackend(str(tiny.hf_dir), dtype="bfloat16", device="cpu", num_blocks=7)

@@ -18,10 +18,10 @@ from engine.core.batch import ModelOutput, ScheduledItem
 from engine.core.llm_engine import LLMEngine
 from engine.core.sequence import TokenLogprob
 from engine.core.stats import FinishedRequest
+from engine.model.standin_tokenizer import FILLER, StandInTokenizer
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext
-from engine.serving.standin import FILLER, StandInTokenizer
 from tests.fake_backend import FakeBackend
 from tests.inproc_server import serve_in_thread
 from tests.test_server_errors import assert_error

@@ -140,21 +140,30 @@ def _policy_uses(tree: ast.AST) -> tuple[set[str], list[int]]:
     return names, probes
 
 
-ENGINE_SIDE = ("engine/core/", "engine/factory.py", "engine/baselines/")
-
-
 def test_the_engine_asks_a_policy_only_what_the_protocol_declares():
-    """No getattr/hasattr probe of a policy in the engine's core, its factory and the baselines, and the first
-    two read only Policy members (a baseline's scheduler reads its own policy's rules)."""
+    """No getattr/hasattr probe of a policy anywhere in engine/, and only Policy members read (but in the
+    baselines, whose schedulers read their own policy's rules)."""
     declared = {n for n in [*vars(Policy), *Policy.__annotations__] if not n.startswith("_")}
     undeclared, probed = [], []
     for path in sorted((ROOT / "engine").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if not rel.startswith(ENGINE_SIDE):
-            continue
         names, probes = _policy_uses(ast.parse(path.read_text(), str(path)))
         probed += [f"{rel}:{line}" for line in probes]
         if not rel.startswith("engine/baselines/"):
             undeclared += [f"{rel}: policy.{n}" for n in sorted(names - declared)]
     assert not probed, f"getattr/hasattr on a policy: {probed}"
     assert not undeclared, "\n".join(undeclared)
+
+
+def test_a_policy_that_says_it_is_feedback_free_learns_nothing_and_keeps_its_budget() -> None:
+    """The decode burst trusts `feedback_free`: every policy of ours that claims it keeps StaticPolicy's observe
+    and step_budget, and the adaptive one does not claim it."""
+    from controller.adaptive import AdaptivePolicy
+    from controller.policy import StaticPolicy
+    from engine.baselines import seed, vllm
+
+    claimed = [c for m in (seed, vllm) for c in vars(m).values() if isinstance(c, type) and issubclass(c, StaticPolicy)]
+    assert claimed and not AdaptivePolicy.feedback_free
+    for kind in (StaticPolicy, *claimed):
+        if kind.feedback_free:
+            assert kind.observe is StaticPolicy.observe and kind.step_budget is StaticPolicy.step_budget, kind

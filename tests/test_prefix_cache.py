@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 
 from engine.baselines.seed import FixedPolicy
-from engine.core.kv_cache import BlockAllocator
+from engine.core.kv.blocks import BlockAllocator
+from engine.core.kv.prefix_cache import ROOT_HASH, hash_block
 from engine.core.llm_engine import LLMEngine
-from engine.core.prefix_cache import ROOT_HASH, hash_block
 from engine.core.sampling_params import SamplingParams
 from tests.fake_backend import FakeBackend
 

@@ -177,7 +177,7 @@ def test_cuda_probe_resets_peak_every_step(fake_cuda: FakeCuda) -> None:
 
 
 def test_cuda_probe_counts_what_the_process_maps_outside_the_allocator(fake_cuda: FakeCuda) -> None:
-    """A KV pool in CUDA virtual memory (engine/model/kv_arena.py) is not in the allocator's stats: the probe adds
+    """A KV pool in CUDA virtual memory (engine/core/kv/vmm.py) is not in the allocator's stats: the probe adds
     it where the pool of tensors would be (allocated, reserved, idle), so NVML's bytes above it are not taken
     for another process's."""
     mapped = [3 * GiB]

@@ -128,7 +128,8 @@ def test_the_quantization_choice() -> None:
 
 
 def logits(lm, ids: list[int]) -> torch.Tensor:
-    from engine.model.attention import allocate_kv_cache, build_attention_metadata
+    from engine.core.kv.tensors import allocate_kv_cache
+    from engine.model.attention import build_attention_metadata
 
     kv = allocate_kv_cache(lm.config, 8, 16, lm.model.dtype, "cpu")
     meta = build_attention_metadata([(0, len(ids), list(range(8)))], 16, "cpu")

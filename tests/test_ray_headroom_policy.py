@@ -8,6 +8,7 @@ import json
 import random
 from collections import Counter
 
+from engine.model.standin_tokenizer import StandInTokenizer
 from engine.serving.ray_serve.headroom_policy import (
     LEDGER_SLACK_S,
     UNKNOWN_STEP_TOKENS,
@@ -19,7 +20,6 @@ from engine.serving.ray_serve.headroom_policy import (
     rank,
 )
 from engine.serving.ray_serve.prompt_size import MIN_PREFIX_TOKENS, PREFIX_CHARS, size_prompt
-from engine.serving.standin import StandInTokenizer
 
 
 def stats(step: int = 4096, queued: int = 0, free_blocks: int = 100, waiting: int = 0, running: int = 0,

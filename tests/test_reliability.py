@@ -16,7 +16,7 @@ from bench import reliability_answers as answers
 from bench import reliability_fuzz as fuzz
 from bench import reliability_soak as soak
 from bench.harness.http import Answer
-from engine.serving.standin import FILLER
+from engine.model.standin_tokenizer import FILLER
 
 
 def failed(result: answers.ScenarioResult) -> list[str]:

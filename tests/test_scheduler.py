@@ -10,7 +10,7 @@ from controller.policy import StaticPolicy
 from controller.step_budget import NO_CUTS, MemoryCuts, StepBudget
 from engine.baselines.seed import FixedPolicy, SeedStaticPolicy
 from engine.baselines.vllm import VllmPolicy
-from engine.core.kv_cache import BlockAllocator
+from engine.core.kv.blocks import BlockAllocator
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler

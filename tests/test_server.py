@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from engine.serving.standin import StandInTokenizer
+from engine.model.standin_tokenizer import StandInTokenizer
 from telemetry.phases import PHASES
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

@@ -13,10 +13,10 @@ import torch
 
 from engine.baselines.seed import FixedPolicy
 from engine.core.llm_engine import LLMEngine
+from engine.model.standin_tokenizer import StandInTokenizer
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext
-from engine.serving.standin import StandInTokenizer
 from tests.fake_backend import FakeBackend
 from tests.inproc_server import serve_in_thread
 

@@ -122,7 +122,7 @@ def test_graph_pools_are_held_from_start_up_and_count_in_device_used():
 
 
 def test_a_kv_resize_keeps_the_graphs_and_charges_no_capture():
-    """The pool is resized in place (engine/model/kv_arena.py): the graphs keep their addresses, so no bucket is
+    """The pool is resized in place (engine/core/kv/vmm.py): the graphs keep their addresses, so no bucket is
     captured again and a resize costs the same under both sensors."""
     costs = []
     for sensors in ("ideal", "realistic"):

@@ -35,7 +35,7 @@ from controller.config import ControllerConfig
 from engine.backends.torch_backend import TorchBackend
 from engine.backends.twin.backend import TwinBackend
 from engine.config import EngineConfig
-from engine.core.kv_pool import size_kv_pool
+from engine.core.kv.sizing import size_kv_pool
 from engine.core.llm_engine import LLMEngine
 from engine.factory import build_engine, build_policy
 from engine.model.loaders import LoadedModel

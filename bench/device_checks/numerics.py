@@ -33,7 +33,7 @@ from bench.device_checks.common import (
 )
 from bench.device_checks.roofline import kv_bytes_per_token
 from engine.backends.torch_backend import TorchBackend, kernel_for
-from engine.core.kv_cache import ResizePlan
+from engine.core.kv.blocks import ResizePlan
 from engine.core.llm_engine import LLMEngine
 from engine.model.attention import build_attention_metadata
 from engine.model.cpu_kernels import unusable_reason as cpu_kernels_unusable_reason

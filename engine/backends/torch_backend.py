@@ -11,15 +11,11 @@ import torch
 from engine.backends.warm_up import run_warm_up
 from engine.core.backend import BackendDefaults, BackendInfo
 from engine.core.batch import EMPTY, ModelOutput, SchedulerOutput
+from engine.core.kv.tensors import kv_cache_bytes_per_block, resize_kv_cache, swap_in_blocks, swap_out_blocks
+from engine.core.kv.vmm import KVArena, allocate_pool
 from engine.core.sampler import Sampler
 from engine.model import cpu_kernels
-from engine.model.attention import (
-    build_attention_metadata,
-    kv_cache_bytes_per_block,
-    resize_kv_cache,
-    swap_in_blocks,
-    swap_out_blocks,
-)
+from engine.model.attention import build_attention_metadata
 from engine.model.batch_invariance import linear_min_rows
 from engine.model.cpu_forward import fused_layers
 from engine.model.cpu_kernels import CpuKernelOps, head_dim_unsupported, linear_unusable_reason
@@ -33,7 +29,6 @@ from engine.model.cuda_graphs import (
 )
 from engine.model.dtype_choice import choose_dtype
 from engine.model.kernel_choice import KernelChoice, choose_kernel
-from engine.model.kv_arena import KVArena, allocate_pool
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
 from engine.model.quant import choose_quantization
@@ -43,7 +38,7 @@ from telemetry.probes.cpu import tensor_bytes
 from telemetry.units import parse_bytes
 
 if TYPE_CHECKING:
-    from engine.core.kv_cache import ResizePlan
+    from engine.core.kv.blocks import ResizePlan
 
 CPU_KV_TOKENS = 32 * 2048  # default CPU pool: 32 sequences of 2048 tokens
 
@@ -220,7 +215,7 @@ class TorchBackend(BackendDefaults):
 
     def resize_kv(self, plan: ResizePlan) -> float:
         """Resize the KV pool between steps (no step's activations are live); returns the measured seconds. In
-        CUDA virtual memory (engine/model/kv_arena.py) blocks are mapped or unmapped in place and the CUDA graphs
+        CUDA virtual memory (engine/core/kv/vmm.py) blocks are mapped or unmapped in place and the CUDA graphs
         stay valid; otherwise the tensors are copied (`_resize_copied`). Either way a grow the device cannot hold
         raises torch.OutOfMemoryError with the pool as it was."""
         t0 = time.perf_counter()
@@ -242,7 +237,7 @@ class TorchBackend(BackendDefaults):
         return time.perf_counter() - t0
 
     def _resize_copied(self, plan: ResizePlan) -> None:
-        """Reallocate and copy each layer's K and V (engine/model/attention.py: resize_kv_cache), then empty_cache on
+        """Reallocate and copy each layer's K and V (engine/core/kv/tensors.py: resize_kv_cache), then empty_cache on
         CUDA so the old tensors go back to the driver: the transient is the growth plus one tensor. A grow that
         runs out of memory part way is rolled back (a shrink to the old size never needs more memory than it
         frees) and raises torch.OutOfMemoryError. Either way some tensors were replaced, so the CUDA graphs, which

@@ -33,7 +33,7 @@ from engine.backends.tp_worker import STORE_TIMEOUT, WorkerSpec, rank_backend, r
 from engine.backends.warm_up import run_warm_up
 from engine.core.backend import ForwardingBackend
 from engine.core.batch import EMPTY, ModelOutput, SchedulerOutput
-from engine.core.kv_cache import ResizePlan
+from engine.core.kv.blocks import ResizePlan
 from engine.core.llm_engine import EngineDeadError
 from telemetry.record import RankSample
 

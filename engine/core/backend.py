@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from engine.core.batch import ModelOutput, SchedulerOutput
-from engine.core.kv_cache import ResizePlan
+from engine.core.kv.blocks import ResizePlan
 from telemetry.probes.base import MemoryProbe
 from telemetry.record import RankSample
 

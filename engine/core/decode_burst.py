@@ -12,22 +12,10 @@ skipped. tests/test_twin_latency.py checks that results are identical with and w
 
 from __future__ import annotations
 
-from controller.policy import Policy, StaticPolicy
 from engine.core.backend import Backend
 from engine.core.batch import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, Status
-
-
-def static_feedback(policy: Policy) -> bool:
-    """Whether the policy's budget never moves and its feedback is a no-op, so that skipping both changes
-    nothing."""
-    kind = type(policy)
-    return (
-        issubclass(kind, StaticPolicy)
-        and kind.observe is StaticPolicy.observe
-        and kind.step_budget is StaticPolicy.step_budget
-    )
 
 
 def burst_sequences(batch: SchedulerOutput, scheduler: Scheduler) -> list[Sequence] | None:

@@ -11,10 +11,10 @@ import torch
 from controller.policy import Policy, PoolResize
 from engine.core.backend import Backend
 from engine.core.batch import ModelOutput, SchedulerOutput
-from engine.core.decode_burst import burst_sequences, run_burst, static_feedback
-from engine.core.kv_cache import BlockAllocator, ResizePlan
+from engine.core.decode_burst import burst_sequences, run_burst
+from engine.core.kv.blocks import BlockAllocator, ResizePlan
+from engine.core.kv.prefix_cache import PrefixCache
 from engine.core.outputs import EngineOutput
-from engine.core.prefix_cache import PrefixCache
 from engine.core.sampling_params import ParamError, SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
@@ -183,7 +183,7 @@ class LLMEngine:
     def resize_kv_pool(self, target: int) -> ResizePlan | None:
         """Resize the KV pool to `target` blocks between steps; returns the plan carried out, or None when
         the size stays. Never below the blocks in use (in-use blocks above the new size are moved, see
-        engine/core/kv_cache.py) nor below the largest admitted request's prompt + max_tokens, so every request
+        engine/core/kv/blocks.py) nor below the largest admitted request's prompt + max_tokens, so every request
         can still finish. Raises torch.OutOfMemoryError, nothing changed, when the backend cannot."""
         alloc = self.allocator
         plan = alloc.plan_resize(max(target, self._longest_request_blocks()))
@@ -243,7 +243,7 @@ class LLMEngine:
         step must be `step()`'s. For load generators in virtual time: a burst records no step, feeds the policy
         nothing and finishes no request (engine/core/decode_burst.py says why that is exact)."""
         batch = self._last_batch
-        if batch is None or not self.healthy or self.step_listeners or not static_feedback(self.policy):
+        if batch is None or not self.healthy or self.step_listeners or not self.policy.feedback_free:
             return 0
         seqs = burst_sequences(batch, self.scheduler)
         done = 0 if seqs is None else run_burst(seqs, self.scheduler, self.backend, until)

@@ -20,8 +20,8 @@ from controller.limits import Limits
 from controller.policy import Policy
 from controller.step_budget import Packer
 from engine.core.batch import ModelOutput, ScheduledItem, SchedulerOutput
-from engine.core.kv_cache import BlockAllocator
-from engine.core.prefix_cache import PrefixCache
+from engine.core.kv.blocks import BlockAllocator
+from engine.core.kv.prefix_cache import PrefixCache
 from engine.core.sequence import Sequence, Status
 
 

@@ -34,7 +34,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
-    # prefix caching (engine/core/prefix_cache.py): hashes of the full blocks of its tokens so far, and how many
+    # prefix caching (engine/core/kv/prefix_cache.py): hashes of the full blocks of its tokens so far, and how many
     # blocks at the head of block_table are registered in the cache (or were hits)
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_cached_blocks: int = 0

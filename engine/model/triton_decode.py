@@ -6,9 +6,10 @@ launching a few hundred kernels from Python. Triton ships with PyTorch's CUDA wh
 
 One program per (sequence, KV head): it walks that sequence's blocks through its block table, keeps the group of
 query heads that share the KV head together (each K and V block is read once for all of them), and accumulates
-with an online softmax in fp32. Any block stride: a pool in CUDA virtual memory (kv_arena.py) packs blocks of all
-layers together. Not batch-invariant against the sdpa kernel (another summation order): a graph's greedy tokens
-may differ from eager ones where the best two logits tie at bf16's precision, as flash-attn's do.
+with an online softmax in fp32. Any block stride: a pool in CUDA virtual memory (engine/core/kv/vmm.py) packs
+the blocks of all layers together. Not batch-invariant against the sdpa kernel (another summation order): a
+graph's greedy tokens may differ from eager ones where the best two logits tie at bf16's precision, as
+flash-attn's do.
 """
 
 from __future__ import annotations

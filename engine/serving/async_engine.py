@@ -35,9 +35,9 @@ from engine.core.outputs import EngineOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import FinishedRequest
 from engine.frontend.output_processor import OutputProcessor
+from engine.model.standin_tokenizer import StandInTokenizer
 from engine.serving.handles import ACCEPTED, RequestHandle, deliver
 from engine.serving.messages import ControllerStats, EngineInfo, EngineSnapshot, PrefillLoad
-from engine.serving.standin import StandInTokenizer
 from telemetry.phases import PhaseTimer
 from telemetry.record import StepRecord
 

@@ -26,7 +26,7 @@ from telemetry.trace import StepTrace
 class AppContext:
     engine: AsyncEngine
     model_name: str  # the first served name: responses carry it
-    tokenizer: Any  # the backend's, or engine.serving.standin.StandInTokenizer for the twin
+    tokenizer: Any  # the backend's, or engine.model.standin_tokenizer.StandInTokenizer for the twin
     api_key: str | None = None
     metrics: Metrics | None = None
     trace: StepTrace | None = None

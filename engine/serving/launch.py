@@ -14,15 +14,15 @@ from typing import Any
 from fastapi import FastAPI
 
 from engine.config import EngineConfig, ServerConfig
-from engine.core.kv_pool import StartupProfilingError
+from engine.core.kv.sizing import StartupProfilingError
 from engine.core.llm_engine import LLMEngine
 from engine.core.stats import FinishedRequest
 from engine.factory import build_engine
+from engine.model.standin_tokenizer import StandInTokenizer
 from engine.model.tensor_parallel import TensorParallelError
 from engine.serving.app import create_app
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.context import AppContext, is_loopback
-from engine.serving.standin import StandInTokenizer
 from telemetry.metrics import Metrics, RequestTiming
 from telemetry.trace import StepTrace
 

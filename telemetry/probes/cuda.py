@@ -63,7 +63,7 @@ class CudaProbe:
     ) -> None:
         """`capacity` overrides the device total (e.g. to leave room for another process); `nvml` None
         means fall back to rate-limited `mem_get_info` for device_used/device_total. `outside`: bytes this
-        process maps outside the caching allocator (a KV pool in CUDA virtual memory, engine/model/kv_arena.py),
+        process maps outside the caching allocator (a KV pool in CUDA virtual memory, engine/core/kv/vmm.py),
         reported as the allocator's own, where the controller expects the pool; else NVML alone would show
         them, and as another process's."""
         torch = _torch()

@@ -20,7 +20,7 @@ from engine.backends.twin.sensors import GraphMemory, NvmlSensor
 from engine.config import TWIN_SENSORS
 from engine.core.backend import Backend, BackendDefaults, BackendInfo
 from engine.core.batch import ModelOutput, SchedulerOutput
-from engine.core.kv_cache import ResizePlan
+from engine.core.kv.blocks import ResizePlan
 from engine.core.sequence import TokenLogprob
 from telemetry.probes.null import NullProbe
 from telemetry.record import MemorySample, StepShape

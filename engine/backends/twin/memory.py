@@ -89,7 +89,7 @@ class MemoryModel:
 
     def resize_pool(self, num_blocks: int) -> None:
         """Map or unmap the blocks the pool gains or loses, in place (the torch backend's pool in CUDA virtual
-        memory, engine/model/kv_arena.py): a grow needs only the bytes it adds, and when the driver has too few
+        memory, engine/core/kv/vmm.py): a grow needs only the bytes it adds, and when the driver has too few
         the backend empties the allocator's cache and tries once more; a shrink allocates nothing, and the backend
         empties the cache after it, so that what the pool gave up reaches whoever is short of memory (a shrink
         is for memory another process wants). A grow that still does not fit raises DeviceOOM and the pool is

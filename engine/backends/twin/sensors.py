@@ -53,7 +53,7 @@ class GraphMemory:
 
     Every bucket is captured at start-up, largest first, into one private pool the backend keeps: a capture
     reuses what the larger one freed, so the pool holds the largest working set (its cudaMalloc'd segment) plus
-    every graph's output. The KV pool is resized in place (engine/model/kv_arena.py), so the graphs stay valid
+    every graph's output. The KV pool is resized in place (engine/core/kv/vmm.py), so the graphs stay valid
     and nothing here changes after start-up. Three streams hold a cuBLAS workspace for the life of the process:
     the compute stream, the one warm-up stream every capture reuses and torch.cuda.graph's capture stream."""
 

@@ -27,7 +27,7 @@ from engine.backends.twin.backend import TwinBackend
 from engine.backends.twin.profile import Profile, load_profile
 from engine.core.backend import BackendInfo, ForwardingBackend
 from engine.core.batch import ModelOutput, SchedulerOutput
-from engine.core.kv_cache import ResizePlan
+from engine.core.kv.blocks import ResizePlan
 from telemetry.record import RankSample
 
 MODELLED_SIZES = (2,)

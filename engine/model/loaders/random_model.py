@@ -9,7 +9,7 @@ import torch
 from engine.model.llama import LlamaModel
 from engine.model.loaders import LoadedModel
 from engine.model.model_config import ModelConfig
-from engine.serving.standin import StandInTokenizer
+from engine.model.standin_tokenizer import StandInTokenizer
 
 INIT_STD = 0.02  # HF's initializer_range for Llama: keeps activations finite through every layer
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.serving.standin import CHARS_PER_TOKEN, StandInTokenizer
+from engine.model.standin_tokenizer import CHARS_PER_TOKEN, StandInTokenizer
 
 _TEMPLATE = StandInTokenizer()
 PREFIX_CHARS = 1024  # a plain prompt's leading characters keyed as its shared prefix (~256 tokens)

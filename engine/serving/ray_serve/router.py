@@ -12,14 +12,15 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from engine.serving.ray_serve.forwarding import ForwardedRequest
 from engine.serving.ray_serve.headroom_policy import Affinity, Headroom, Ledger, Prompt, rank
 from engine.serving.ray_serve.prompt_size import PromptSize
 
 
 def _size(request: PendingRequest | None) -> PromptSize:
-    if request is None or not request.args:
-        return PromptSize(0)
-    return getattr(request.args[0], "prompt", None) or PromptSize(0)
+    """What the ingress forwards carries its prompt's size; anything else routed here (none today) has none."""
+    arg = request.args[0] if request is not None and request.args else None
+    return arg.prompt if isinstance(arg, ForwardedRequest) else PromptSize(0)
 
 
 class HeadroomRouter(FIFOMixin, RequestRouter):

@@ -5,7 +5,7 @@ conversation every turn; n > 1 choices and repeated prompts share one prompt).
 Only full blocks are cached, each under a hash of (its parent block's hash, its token ids), so a hash names
 the whole prefix up to the block's end and a hit on block i implies hits on blocks 0..i-1. Blocks are
 registered once their KV is computed (`commit`, after a step or before blocks are freed); the allocator
-(engine/core/kv_cache.py) keeps them, reference-counted while tables hold them and on an LRU list once free.
+(engine/core/kv/blocks.py) keeps them, reference-counted while tables hold them and on an LRU list once free.
 
 The hash is SHA-256 over the parent's digest and the token ids as 64-bit integers, as vLLM hashes since
 CVE-2025-25183: a block is shared between requests of different users, and Python's `hash` of a tuple is a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from engine.core.kv_cache import BlockAllocator
+from engine.core.kv.blocks import BlockAllocator
 from engine.core.sequence import Sequence
 
 ROOT_HASH = hashlib.sha256(b"headroom prefix cache").digest()  # the parent of every sequence's first block

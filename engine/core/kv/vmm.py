@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from engine.core.kv.tensors import allocate_kv_cache, kv_cache_bytes_per_block
 from engine.model.attention_metadata import KVCache
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The KV pool in CUDA virtual memory (engine/model/kv_arena.py), run over host memory by a driver that marks
+"""The KV pool in CUDA virtual memory (engine/core/kv/vmm.py), run over host memory by a driver that marks
 unmapped bytes with a NaN pattern: a resize keeps every address (so decode graphs stay valid), keeps the blocks'
 contents, maps only what it adds, and a grow the device cannot hold leaves the pool as it was. The real driver
 (cuda-bindings) runs under bench/device_check.sh on a lent GPU."""
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine.backends import torch_backend
-from engine.model import kv_arena
+from engine.core.kv import vmm
+from engine.core.kv.vmm import KVArena
 from engine.model.cuda_graphs import DecodeGraphMetadata, Replay
-from engine.model.kv_arena import KVArena
 from engine.model.model_config import ModelConfig
 from telemetry.probes.null import NullProbe
 from tests import test_cuda_graphs
@@ -166,7 +166,7 @@ def test_the_backend_keeps_its_graphs_over_a_resize_of_a_pool_in_virtual_memory(
     """The torch backend on a pool in (host-emulated) virtual memory: a resize keeps the graphs captured before it,
     which replay over the same addresses, and the tokens are the eager run's."""
     eager_tokens, _ = generate(test_cuda_graphs.backend(tiny), prompts(test_cuda_graphs.backend(tiny), 2), 8)
-    monkeypatch.setattr(kv_arena, "cuda_vmm", lambda device: (HostVmm(), "host memory standing in"))
+    monkeypatch.setattr(vmm, "cuda_vmm", lambda device: (HostVmm(), "host memory standing in"))
     b = torch_backend.TorchBackend(
         str(tiny.hf_dir),
         dtype="float32",
@@ -246,7 +246,7 @@ class FakeDriverApi:
 
 
 def test_the_cuda_driver_maps_creates_then_maps_and_grants_access_and_undoes_a_failed_map() -> None:
-    from engine.model.kv_arena import CudaVmm
+    from engine.core.kv.vmm import CudaVmm
 
     api = FakeDriverApi()
     vmm = CudaVmm(api, torch.device("cuda", 0))
@@ -286,7 +286,7 @@ def bindings(monkeypatch: pytest.MonkeyPatch, api: FakeBindings, version: str) -
 def test_a_binding_the_driver_cannot_serve_falls_back_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda-bindings 13 on a CUDA 12 driver (a common 4090 set-up): the copying pool, and why; a binding call that
     raises is a reason too, never an exception out of the backend's start-up."""
-    from engine.model.kv_arena import cuda_vmm
+    from engine.core.kv.vmm import cuda_vmm
 
     def raising(*_args: object) -> tuple:
         raise RuntimeError("Function cuDeviceGetAttribute not found")
@@ -307,11 +307,11 @@ def test_a_cuda_pool_that_cannot_be_in_virtual_memory_says_why_once_at_warning(
 ) -> None:
     """The copying pool on CUDA costs every bucket's graph capture again after each resize: the reason is logged
     at WARNING, once a process however many backends it builds, and returned as the layout (/controller/state)."""
-    monkeypatch.setattr(kv_arena, "cuda_vmm", lambda device: (None, "cuda-bindings is not installed"))
-    monkeypatch.setattr(kv_arena, "allocate_kv_cache", lambda *args: [])
-    kv_arena._warn_once.cache_clear()
+    monkeypatch.setattr(vmm, "cuda_vmm", lambda device: (None, "cuda-bindings is not installed"))
+    monkeypatch.setattr(vmm, "allocate_kv_cache", lambda *args: [])
+    vmm._warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="headroom.engine"):
-        pools = [kv_arena.allocate_pool(CFG, 16, torch.bfloat16, torch.device("cuda", 0), 4, None) for _ in range(2)]
+        pools = [vmm.allocate_pool(CFG, 16, torch.bfloat16, torch.device("cuda", 0), 4, None) for _ in range(2)]
     layout = "tensors copied on a resize (cuda-bindings is not installed)"
     assert pools == [(None, [], layout)] * 2
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"KV pool: {layout}"]
@@ -322,7 +322,7 @@ def test_the_pool_on_a_real_card_is_in_virtual_memory_packs_its_blocks_and_gives
     """The real driver (cuda-bindings): the range is wrapped once its first granule is mapped, blocks of a
     quarter granule share granules, a grow keeps the addresses and the contents, and dropping the pool gives
     every byte back to the driver."""
-    from engine.model.kv_arena import cuda_vmm
+    from engine.core.kv.vmm import cuda_vmm
 
     device = torch.device("cuda", 0)
     driver, why = cuda_vmm(device)

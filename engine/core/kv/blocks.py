@@ -12,7 +12,7 @@ gives back free blocks first: no sequence is preempted to shrink. Stopping at th
 would let one long-lived sequence at the top of the pool pin it at full size, which is exactly when
 memory is tight. The cost is one block copy per moved block, at most the blocks in use.
 
-Prefix caching (engine/core/prefix_cache.py) adds three things here, because eviction and resizing must change
+Prefix caching (engine/core/kv/prefix_cache.py) adds three things here, because eviction and resizing must change
 them together with the free list: a reference count per block (sequences with the same prefix share its
 blocks), a hash index (full computed blocks, hash <-> block), and an LRU list of evictable blocks (free,
 but still holding a cached prefix). Evictable blocks count as free: `num_free` is what a new allocation
