@@ -67,7 +67,7 @@ class Served:
 
     def wait_idle(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while self.engine.num_running() or self.engine.num_waiting() or self.engine.snapshot.kv_blocks_used:
+        while self.engine.num_running() or self.engine.num_waiting() or self.engine.snapshot.stats.kv_blocks_used:
             assert time.monotonic() < deadline, "the engine did not go idle"
             time.sleep(0.02)
 

@@ -18,7 +18,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import FinishedRequest
 from engine.factory import build_engine
 from engine.serving.async_engine import QueueFullError, refuse_when_full
-from engine.serving.messages import EngineSnapshot, PrefillLoad
+from engine.serving.messages import PrefillLoad
 from engine.serving.ray_serve.headroom_policy import routing_stats
 
 
@@ -88,7 +88,7 @@ class SimReplica:
         return self.inflight.pop(index), self.done.pop(index)
 
     def publish(self, now: float) -> None:
-        snap = EngineSnapshot.of(self.engine, len(self.inflight))
+        snap = self.engine.stats()
         self.stats = routing_stats(snap, snap.num_waiting, snap.healthy, PrefillLoad.of(self.engine), now)
 
     def die(self) -> list[FleetRequest]:

@@ -148,13 +148,13 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.alive and self.snapshot.healthy
+        return self.alive and self.snapshot.stats.healthy
 
     def num_waiting(self) -> int:
-        return self.snapshot.num_waiting + self._pending
+        return self.snapshot.stats.num_waiting + self._pending
 
     def num_running(self) -> int:
-        return self.snapshot.num_running
+        return self.snapshot.stats.num_running
 
     def num_unfinished(self) -> int:
         """Requests accepted or queued for acceptance, and not finished."""
@@ -209,7 +209,7 @@ class AsyncEngine:
         handle = RequestHandle(f"req-{next(self._ids)}", len(prompt_ids), self._request_abort)
         arrival = self.engine.now()  # a clock read: thread-safe on every backend
         with self._lock:
-            if self.error is not None or self._stopping or not self.snapshot.healthy:
+            if self.error is not None or self._stopping or not self.snapshot.stats.healthy:
                 raise EngineDeadError(self.dead_reason())
             refuse_when_full(self.num_waiting(), self.max_waiting)
             self._pending += 1

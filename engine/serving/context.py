@@ -73,8 +73,7 @@ Ctx = Annotated[AppContext, Depends(context)]
 def engine_counters(ctx: AppContext) -> dict[str, Any]:
     """The engine's counters from its last published snapshot (never from the engine's own objects)."""
     engine = ctx.engine
-    counters = asdict(engine.snapshot)
-    del counters["num_requests"]
+    counters = asdict(engine.snapshot.stats)
     counters.update(
         healthy=engine.healthy,
         num_waiting=engine.num_waiting(),

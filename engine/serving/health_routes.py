@@ -30,7 +30,9 @@ async def health(ctx: Ctx) -> Response:
         return JSONResponse(error_body(engine.dead_reason(), SERVER_ERROR, None, "shutting_down"), status_code=503)
     if engine.healthy:
         return JSONResponse({"status": "ok"})
-    reason = engine.dead_reason() if engine.error or not engine.snapshot.healthy else "the engine loop is not running"
+    reason = (
+        engine.dead_reason() if engine.error or not engine.snapshot.stats.healthy else "the engine loop is not running"
+    )
     return JSONResponse(error_body(reason, SERVER_ERROR, None, "engine_dead"), status_code=503)
 
 

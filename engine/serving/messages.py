@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from controller.limits import UNLIMITED
 from engine.core.llm_engine import LLMEngine
+from engine.core.stats import EngineStats
 from engine.frontend.output_processor import LogprobEntry, RequestOutput
 from telemetry.controller_stats import ControllerStats
 
@@ -19,30 +20,13 @@ __all__ = ["ControllerStats", "EngineInfo", "EngineSnapshot", "LogprobEntry", "P
 class EngineSnapshot:
     """The engine's counters as the engine thread last published them: safe to read from any thread."""
 
-    healthy: bool
-    steps: int
-    ooms: int
-    ooms_recovered: int
-    num_running: int
-    num_waiting: int  # in the scheduler's queue; adds still in the command queue are counted apart
-    num_requests: int  # accepted and not yet finished
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    block_size: int
-    max_model_len: int
-    prefix_cache_queries: int  # tokens of admitted requests (0 with prefix caching off)
-    prefix_cache_hits: int  # of those, tokens whose KV came from the prefix cache
+    stats: EngineStats  # the engine's own (its waiting queue: adds still in the command queue are apart)
+    num_requests: int  # accepted by the server and not yet finished
 
     @classmethod
     def of(cls, engine: LLMEngine, num_requests: int) -> EngineSnapshot:
         """Read on the engine thread (or before it starts)."""
-        s = engine.stats()
-        return cls(
-            s.healthy, s.steps, s.ooms, s.ooms_recovered, s.num_running, s.num_waiting, num_requests,
-            s.kv_blocks_used, s.kv_blocks_free, s.kv_blocks_total, s.block_size, s.max_model_len,
-            s.prefix_cache_queries, s.prefix_cache_hits,
-        )  # fmt: skip
+        return cls(engine.stats(), num_requests)
 
 
 @dataclass(frozen=True, slots=True)

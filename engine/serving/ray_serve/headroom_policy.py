@@ -22,7 +22,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from engine.serving.messages import EngineSnapshot, PrefillLoad
+from engine.core.stats import EngineStats
+from engine.serving.messages import PrefillLoad
 
 K = TypeVar("K", bound=Hashable)
 
@@ -33,7 +34,7 @@ AFFINITY_PREFIXES = 100_000  # prefixes remembered (least recently routed forgot
 
 
 def routing_stats(
-    snap: EngineSnapshot, num_waiting: int, healthy: bool, load: PrefillLoad | None, now: float
+    snap: EngineStats, num_waiting: int, healthy: bool, load: PrefillLoad | None, now: float
 ) -> dict[str, Any]:
     """What a replica publishes for `Headroom.of`, taken at `now` (Ray polls it; bench/fleet reads it in virtual
     time). `load` None: the engine is not running, so only its counters."""

@@ -55,7 +55,9 @@ class EngineReplica:
         load = None
         with contextlib.suppress(EngineDeadError):
             load = await self.engine.prefill_load()
-        return routing_stats(self.engine.snapshot, self.engine.num_waiting(), self.engine.healthy, load, time.time())
+        return routing_stats(
+            self.engine.snapshot.stats, self.engine.num_waiting(), self.engine.healthy, load, time.time()
+        )
 
     async def _metrics_text(self) -> str:
         return b"".join([m.get("body", b"") async for m in call_app(self.app, _METRICS)]).decode()
