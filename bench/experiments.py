@@ -341,6 +341,14 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         "startup", ("python -m bench.startup --out {out}/startup.md",), ("startup.md", "startup.json"), "cpu", 60
     ),
     Experiment(
+        "ab_serve_43",
+        ("bash bench/ab_serve.sh 2385a1f 31aea50 3 > {out}/ab_serve_43.md",),
+        ("ab_serve_43.md",),
+        "cpu",
+        420,
+        needs="the git history back to 2385a1f (it serves from a worktree of each revision)",
+    ),
+    Experiment(
         "device_check",
         ("bash bench/device_check.sh",),
         ("device_check.md", "device_check.json"),
