@@ -211,8 +211,8 @@ class AdaptivePolicy(Policy):
             self._log("pack", self._pack_reason(cuts), quiet=True)
 
     def _pack_reason(self, cuts: MemoryCuts) -> Reason:
-        """Formatted when read: memory-bound serving logs this every step (each replacing the last), and the
-        f-string cost ~3 us a step on the slow build CPU."""
+        """Formatted when read: memory-bound serving logs this every step, each replacing the last, so formatting
+        it every step would be work nobody reads."""
         chunks, defers, pred = cuts.chunks, cuts.deferred, self.memory.last_prediction
         threshold, scale = self.memory.prefill_threshold, self.law.scale
         return lambda: (

@@ -2,12 +2,12 @@
 (flash-attn, Triton's decode) against sdpa's, and tokens across a KV pool grow and shrink while graphs are live.
 
 Why ties are allowed where kernels differ: a random-weight Llama's logits are spread thin (on Llama-3.1-8B's shape
-about 1.3 nats wide over 128,256 tokens, so the best two lie about 0.2 nats apart, often far less) and bf16 keeps
-8 significant bits, so two correct kernels that add in different orders pick different tokens wherever the best
-two lie within their rounding. On a smaller random Llama on the CPU, bf16 and fp32 logits differ by up to 0.035
-and 3% of the top-1 picks differ. A wrong kernel (a wrong block, mask or scale) is off by the logits' own scale
-instead, and its pick is one of the best two of a correct kernel's only by chance. Where nothing but the tensors'
-place in memory changes (a KV resize), the tokens must be identical.
+about 1.3 nats wide over 128,256 tokens, so the best two lie about 0.2 nats apart, often far less) and bf16 keeps 8
+significant bits, so two correct kernels that add in different orders pick different tokens wherever the best two
+lie within their rounding (the logit checks measure how far bf16 moves them, against fp32). A wrong kernel (a wrong
+block, mask or scale) is off by the logits' own scale instead, and its pick is one of the best two of a correct
+kernel's only by chance. Where nothing but the tensors' place in memory changes (a KV resize), the tokens must be
+identical.
 """
 
 from __future__ import annotations
