@@ -364,6 +364,21 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         300,
     ),
     Experiment(
+        "structured_libs",
+        ("python -m bench.structured_libs --out {out}/structured_libs.md",),
+        ("structured_libs.md", "structured_libs.json"),
+        "cpu",
+        40,
+        needs="xgrammar==0.2.9 installed beside llguidance (pip install xgrammar==0.2.9: it is not a dependency)",
+    ),
+    Experiment(
+        "structured_tpot",
+        ("python -m bench.structured_tpot --rounds 10 --out {out}/structured_tpot.md",),
+        ("structured_tpot.md", "structured_tpot.json"),
+        "cpu",
+        300,
+    ),
+    Experiment(
         "reliability",
         ("python -m bench.reliability all --out {out}/reliability.md",),
         ("reliability.md",),

@@ -73,6 +73,18 @@ CROSS_FIELD_RULES = {
     "context_length_exceeded": "prompt + max_tokens over the context",
     "min_tokens must not exceed max_tokens": "min_tokens > max_tokens",
     "top_logprobs needs logprobs": "top_logprobs without logprobs",
+    # vLLM's options (issue #42): engine/serving/protocol.py `check_rules`, prompts.py, beam_search.py
+    "prompt tokens the context leaves": "truncate_prompt_tokens over the context left beside max_tokens",
+    "outside the vocabulary": "a logit_bias token id past the model's vocabulary",
+    "0 only with echo": "max_tokens 0 without echo",
+    "stream_options can only be set when stream is true": "stream_options without stream",
+    "prompt_logprobs are not available when stream is true": "prompt_logprobs with stream",
+    "not supported with beam search": "use_beam_search with stream",
+    "beam search takes n": "use_beam_search with n over 10",
+    "applies to beam search only": "length_penalty without use_beam_search",
+    "answers without prompt logprobs": "use_beam_search with prompt logprobs",
+    "cannot both be true": "continue_final_message with add_generation_prompt",
+    "cannot render the chat template": "a chat template (a program) that fails on the conversation",
 }
 ST202 = "ST202"
 

@@ -4,7 +4,7 @@
 
 Serves the request in process (FastAPI's TestClient) with a profile hook on every thread, after one warm-up
 request, and prints each of our files whose functions ran, with those functions. docs/architecture.md traces
-the request's own path through twelve of them; tests/test_request_path.py checks that those twelve are real.
+the request's own path through thirteen of them; tests/test_request_path.py checks that those are real.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")  # engine/model/quant.p
 ATTENTIONS = ("auto", "cpu", "sdpa", "flash")
 TWIN_SENSORS = ("ideal", "realistic")
 FIXED_STEPS = ("seed", "mixed")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # engine/serving/tool_parsers.py
 
 
 class ConfigError(ValueError):
@@ -194,6 +195,16 @@ class ServerConfig(_Config):
     )  # fmt: skip
     trace_file: str | None = _opt(None, "write every step record as a JSON line here", group="server")
     log_level: str = _opt("info", "server log level", ("debug", "info", "warning", "error"), "server")
+    tool_call_parser: str | None = _opt(
+        None, "how tool_choice auto finds tool calls in the model's text: hermes (<tool_call>{...}</tool_call>) or "
+        "llama3_json; without it, auto with tools is a 400 (as vLLM's --enable-auto-tool-choice)",
+        TOOL_CALL_PARSERS, "server",
+    )  # fmt: skip
+    trust_request_chat_template: bool = _opt(
+        False, "render a request's own chat_template (in the sandboxed Jinja environment the model's runs in); "
+        "without it such a request is a 400, as vLLM's --trust-request-chat-template",
+        group="server",
+    )  # fmt: skip
     replicas: int = _opt(
         1, "engine replicas behind one port on Ray Serve (1 with no --ray-address: one process, no Ray)",
         group="fleet",

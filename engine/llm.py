@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, TokenLogprob
+from engine.core.structured import check as check_structured
 from engine.factory import build_engine
+from engine.frontend.bad_words import with_bad_words_tokenized
 from engine.frontend.output_processor import OutputProcessor
 
 
@@ -19,6 +21,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     finish_reason: str | None
     num_preemptions: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # where SamplingParams.prompt_logprobs asked (first: None)
 
 
 class LLM:
@@ -39,9 +42,12 @@ class LLM:
         """Submit every prompt at once (continuous batching) and run the engine until all finish. A text prompt
         gets the tokenizer's special tokens (BOS where the model's config says so), as vLLM's does."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        for p in params_list:  # every grammar compiles before any request is taken (a bad one raises GrammarError)
+            check_structured(p.structured, self.tokenizer, self.engine.backend.vocab_size)
         seqs: list[Sequence] = []
         for prompt, p in zip(prompts, params_list, strict=True):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+            p = with_bad_words_tokenized(p, self.tokenizer)
             seqs.append(self.engine.add_request(str(self._next_id), ids, p))
             self.processor.add_request(str(self._next_id), p)
             self._next_id += 1
@@ -56,7 +62,12 @@ class LLM:
                 reasons[out.request_id] = out.finish_reason
         return [
             CompletionOutput(
-                texts[s.request_id], s.output_ids, list(s.prompt_ids), reasons[s.request_id], s.num_preemptions
+                texts[s.request_id],
+                s.output_ids,
+                list(s.prompt_ids),
+                reasons[s.request_id],
+                s.num_preemptions,
+                s.prompt_logprobs if s.params.prompt_logprobs is not None else None,
             )
             for s in seqs
         ]

@@ -25,7 +25,10 @@ START_TIMEOUT_S = float(os.environ.get("HEADROOM_TEST_START_TIMEOUT", "300"))  #
 # The shared server runs float32 whatever the CPU: the API tests check answers, not kernels, and float32 is
 # fast on every CPU (bf16 is several times slower where the CPU lacks AVX512-BF16 or AMX).
 # HEADROOM_TEST_DTYPE=bfloat16 (or auto) runs the same tests in that dtype.
-DEFAULT_FLAGS = ("--dtype", os.environ.get("HEADROOM_TEST_DTYPE", "float32"), "--device", "cpu")
+# --trust-request-chat-template: the API tests send their own templates (tests/test_chat_template_api.py)
+DEFAULT_FLAGS = (
+    "--dtype", os.environ.get("HEADROOM_TEST_DTYPE", "float32"), "--device", "cpu", "--trust-request-chat-template"
+)  # fmt: skip
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -23,6 +23,7 @@ SEQUENCE_STATE = frozenset(
     {
         "output_ids",
         "output_logprobs",
+        "prompt_logprobs",
         "token_times",
         "num_computed",
         "block_table",

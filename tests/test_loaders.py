@@ -85,8 +85,8 @@ def test_chat_template(tiny) -> None:
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
-    with pytest.raises(jinja2.TemplateError, match="unknown role tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(jinja2.TemplateError, match="unknown role critic"):
+        tok.apply_chat_template([{"role": "critic", "content": "x"}])
 
 
 def test_incremental_detokenizer_never_splits_characters(tiny) -> None:

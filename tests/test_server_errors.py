@@ -48,7 +48,7 @@ BAD = [  # (path, body, param, code)
     (COMPLETION, {"prompt": "hi", "max_tokens": 100_000}, "max_tokens", "context_length_exceeded"),
     (COMPLETION, {"prompt": "hi", "n": 0}, "n", None),
     (COMPLETION, {"prompt": "hi", "n": 129}, "n", None),
-    (COMPLETION, {"prompt": "hi", "echo": True}, "echo", "unsupported_field"),
+    (COMPLETION, {"prompt": "hi", "suffix": "!"}, "suffix", "unsupported_field"),
     (COMPLETION, {"prompt": "hi", "logprobs": 21}, "logprobs", None),
     (COMPLETION, {"prompt": "hi", "logprobs": True}, "logprobs", None),
     (COMPLETION, {"prompt": "hi", "stop": ""}, "stop", None),

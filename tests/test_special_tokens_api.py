@@ -56,7 +56,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tokenizer = llama_style_tokenizer(tmp_path_factory.mktemp("tok") / "llama3-style")
     backend = FakeBackend(num_blocks=64, block_size=4, max_model_len=256)
     engine = AsyncEngine(LLMEngine(backend, FixedPolicy()), max_waiting=8)
-    app = create_app(AppContext(engine, model_name="tiny", tokenizer=tokenizer, vocab_size=tokenizer.vocab_size))
+    app = create_app(
+        AppContext(
+            engine,
+            model_name="tiny",
+            tokenizer=tokenizer,
+            vocab_size=tokenizer.vocab_size,
+            trust_request_chat_template=True,  # the tests below bring their own templates
+        )  # fmt: skip
+    )
     with serve_in_thread(app) as url:
         yield Served(url, backend, tokenizer)
 
@@ -85,7 +93,16 @@ def test_chat_prompts_hold_the_template_s_bos_only(served: Served) -> None:
     assert ids[1 : 1 + len(system)] == system  # developer is rendered as system
 
 
+# A template that reads `tools` gets tool messages as they came (one that does not, the fixture's, gets them as
+# engine/model/tool_template.py's fallback renders them, and never sees the role).
+REJECTS_TOOL = (
+    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('unknown role tool') }}{% endif %}"
+    "{% endfor %}{{ tools }}"
+)
+
+
 def test_a_template_that_rejects_tool_messages_is_a_400_naming_messages(served: Served) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
-    err = assert_error(post(served, "/v1/chat/completions", {"messages": messages}), 400, "messages")
+    body = {"messages": messages, "chat_template": REJECTS_TOOL}
+    err = assert_error(post(served, "/v1/chat/completions", body), 400, "messages")
     assert "unknown role tool" in err["message"]

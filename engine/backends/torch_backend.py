@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +14,8 @@ from engine.core.backend import BackendDefaults, BackendInfo
 from engine.core.batch import EMPTY, ModelOutput, SchedulerOutput
 from engine.core.kv.tensors import kv_cache_bytes_per_block, resize_kv_cache, swap_in_blocks, swap_out_blocks
 from engine.core.kv.vmm import KVArena, allocate_pool
-from engine.core.sampler import Sampler
+from engine.core.sampler import Sampler, score_prompts
+from engine.core.structured import StructuredOutputs
 from engine.model import cpu_kernels
 from engine.model.attention import build_attention_metadata
 from engine.model.batch_invariance import linear_min_rows
@@ -140,6 +142,7 @@ class TorchBackend(BackendDefaults):
             self.config = shard_model(self.model, shard.rank, shard.size, shard.reduce)
         self.shard = shard
         self.tokenizer = loaded.tokenizer
+        self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size)  # grammar masks, by request
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
 
     def _capture_graphs_at_start(self, enforce_eager: bool) -> None:
@@ -335,32 +338,44 @@ class TorchBackend(BackendDefaults):
         its logprobs where its request asks for them. Finished requests' state is dropped first."""
         if batch.finished:
             self.sampler.drop(batch.finished)
+            self.structured.drop(batch.finished)
             for rid in batch.finished:
                 self._kv_host.pop(rid, None)
         hidden = self.forward(batch)
         if hidden is None or not len(hidden):
             return EMPTY
         sampling = [it for it in batch.items if it.sample]
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden[: len(sampling)]) if sampling else None
         if self.device.type == "cuda":  # the sampler's .tolist() waits for the forward: time only its own work
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        result = self.sampler.sample_items(logits, sampling, self.eos_token_ids)
+        if logits is not None:  # structured outputs: the grammars' masks go on before the draw
+            self.structured.apply(logits, sampling)
+        result = EMPTY if logits is None else self.sampler.sample_items(logits, sampling, self.eos_token_ids)
+        if len(hidden) > len(sampling):  # the rows of prompts that ask for their logprobs
+            scored = score_prompts(batch.items, hidden[len(sampling) :], self.model.compute_logits)
+            result = replace(result, prompt_logprobs=scored)
+        result = self.structured.advance(sampling, result)  # last: a step that fails before leaves the grammars be
         self.sampler_seconds += time.perf_counter() - start
         return result
 
     @torch.inference_mode()
     def forward(self, batch: SchedulerOutput) -> torch.Tensor | None:
-        """The final hidden states of the sampling items' last tokens, in order (every item's KV written);
-        None for an empty batch. What a tensor-parallel rank that does not sample runs."""
+        """The final hidden states of the sampling items' last tokens, in order, then those of the items'
+        `prompt_logprob_positions`, in order (every item's KV written); None for an empty batch. What a
+        tensor-parallel rank that does not sample runs."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat-batch index of each sampling item's last new token
+        prompt_rows: list[int] = []  # flat-batch index of each position whose prompt logprob is asked for
         for item in batch.items:
+            if item.params.prompt_logprobs is not None:
+                prompt_rows += (len(ids) + p - item.start for p in item.prompt_logprob_positions)
             ids += item.token_ids
             positions += range(item.start, item.start + item.num_tokens)
             if item.sample:
                 rows.append(len(ids) - 1)
+        rows += prompt_rows
         if not batch.items:
             return None
         hidden = self._graph_decode(batch)

@@ -39,6 +39,14 @@ class ScheduledItem(NamedTuple):
         """Output tokens before the one this item samples."""
         return self.start + self.num_tokens - len(self.prompt_ids)
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """The positions computed this step whose next token is a prompt token, where the request asks for
+        prompt logprobs: their logits score the prompt (vLLM's prompt_logprobs). Empty for everything else."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(self.start, min(self.start + self.num_tokens, len(self.prompt_ids) - 1))
+
     @classmethod
     def of(cls, seq: Sequence, start: int, num_tokens: int, is_prefill: bool) -> ScheduledItem:
         """The item that computes `num_tokens` of `seq` from `start`."""
@@ -91,10 +99,15 @@ class SchedulerOutput:
 @dataclass(frozen=True, slots=True)
 class ModelOutput:
     """One step's results: a sampled token id per item with `sample`, in item order, and for each such item its
-    TokenLogprob where its request asks for logprobs (None otherwise; an empty list when none asked)."""
+    TokenLogprob where its request asks for logprobs (None otherwise; an empty list when none asked).
+    `prompt_logprobs`, by request id: the TokenLogprobs of the prompt tokens that follow the item's
+    `prompt_logprob_positions`, in order."""
 
     sampled: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # structured outputs: the requests whose grammar this step's token completed; the engine ends them ("stop")
+    structured_done: frozenset[str] = frozenset()
 
 
 EMPTY = ModelOutput()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -43,6 +44,15 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (`healthy` False): a baseline's worker died on an OOM, as the seed engine's did."""
 
 
+class _PromptLogprobsPrefixCache(PrefixCache):
+    """vLLM's rule for prompt logprobs: a request that asks for them reads nothing from the prefix cache, since
+    a prompt token's logprobs need its row's logits, which a cache hit never computes. Its blocks are still
+    cached for the requests after it."""
+
+    def match(self, seq: Sequence) -> list[int]:
+        return [] if seq.params.prompt_logprobs is not None else super().match(seq)
+
+
 class LLMEngine:
     def __init__(self, backend: Backend, policy: Policy, enable_prefix_caching: bool = True) -> None:
         """A baseline policy (engine/baselines/) brings its engine's rules: `policy.scheduler_class` packs the
@@ -50,7 +60,7 @@ class LLMEngine:
         self.backend = backend
         self.policy = policy
         self.allocator = BlockAllocator(backend.num_blocks, backend.block_size)
-        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
+        self.prefix_cache = _PromptLogprobsPrefixCache(self.allocator) if enable_prefix_caching else None
         scheduler_class: type[Scheduler] = policy.scheduler_class or Scheduler
         self.scheduler = scheduler_class(self.allocator, policy, self.prefix_cache, can_swap=backend.can_swap)
         self.stop_reason: str | None = None  # why the policy stopped the engine on an OOM (OomDecision)
@@ -123,6 +133,7 @@ class LLMEngine:
             params,
             max_tokens=self._check(prompt_ids, params),
             arrival_time=self.backend.now() if arrival_time is None else arrival_time,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else [],  # the first token has none
         )
         self.scheduler.add(seq)
         self._last_batch = None  # the next step packs it: no decode burst before
@@ -133,7 +144,7 @@ class LLMEngine:
         exceeds the context is rejected (400) rather than silently truncated; max_tokens=None resolves by
         `default_max_tokens`, the one rule the offline API and the server share."""
         try:
-            params.validate()
+            params.validate(self.backend.vocab_size)
         except ParamError as e:
             raise RequestError(str(e), e.param) from e
         n, ctx = len(prompt_ids), self.max_model_len
@@ -297,6 +308,8 @@ class LLMEngine:
         for seq, item in self.scheduler.update(batch, result):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+            if result.prompt_logprobs and (scored := result.prompt_logprobs.get(item.request_id)):
+                seq.record_prompt_logprobs(item.start + 1, scored)
             if item.sample:
                 logprob = next(logprobs_of, None)  # the model output's, for this sampled item
                 if logprob is not None:
@@ -304,11 +317,15 @@ class LLMEngine:
                 seq.token_times.append(now)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                reason = self._stop_reason(seq)
+                # a grammar that can take no more token ends the request, whatever the length and EOS rules say
+                reason = "stop" if item.request_id in result.structured_done else self._stop_reason(seq)
                 if reason is not None:
                     self._finish(seq, reason)
                 logprobs = [logprob] if logprob is not None else []
-                outputs.append(EngineOutput(seq.request_id, [seq.output_ids[-1]], logprobs, reason))
+                out = EngineOutput(seq.request_id, [seq.output_ids[-1]], logprobs, reason)
+                if seq.params.prompt_logprobs is not None and len(seq.output_ids) == 1:  # with the first token
+                    out = replace(out, prompt_logprobs=list(seq.prompt_logprobs), prompt_token_ids=seq.prompt_ids)
+                outputs.append(out)
         return outputs
 
     def _on_oom(self) -> list[EngineOutput]:

@@ -16,3 +16,7 @@ class EngineOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to new_token_ids when asked for
     finish_reason: str | None = None
+    # with the first token of a request that asks for them: every prompt token's logprobs (the first None),
+    # and the prompt's ids they score
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: tuple[int, ...] = ()

@@ -1,5 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min_tokens' EOS masking, presence/frequency/repetition
-penalties and logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min_p, min_tokens' EOS masking, presence/frequency/repetition
+penalties, vLLM's logits controls (engine/core/logits_controls.py), logprobs and prompt logprobs.
 
 A seeded request's draw for the token at position p depends only on (seed, p): its uniform comes from
 splitmix64 of both, and which path draws it depends only on its own parameters. With batch-invariant logits,
@@ -14,7 +14,8 @@ own parameters allow, so no row's options change another row's draw:
 A seed means the same uniform on every device; a token can still differ between devices where their
 logits or float sums round differently.
 
-Penalties and logprobs touch only the rows that ask for them: a batch without them pays a list scan.
+Penalties, logits controls and logprobs touch only the rows that ask for them: a batch without them pays a list
+scan.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from engine.core.batch import ModelOutput, ScheduledItem
+from engine.core.logits_controls import NEG_INF, add_logit_bias, apply_min_p, ban_bad_words, disallowed_mask
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import TokenLogprob
 
@@ -82,16 +84,45 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingPara
     logits[index] = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
 
 
-def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """logprobs: log-softmax rows [R, V]; tokens[r]: the token row r chose; ks[r]: how many top entries."""
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: list[int], ks: list[int], ranked: bool = False
+) -> list[TokenLogprob]:
+    """logprobs: log-softmax rows [R, V]; tokens[r]: the token row r chose; ks[r]: how many top entries.
+    `ranked`: each chosen token's rank in its row too (1 is the best; a tie counts against it, as vLLM ranks)."""
     index = torch.tensor(tokens, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, index)
+    chosen = chosen_t.squeeze(1).tolist()
+    ranks = (logprobs >= chosen_t).sum(dim=-1).tolist() if ranked else [None] * len(tokens)
     top_values, top_ids = logprobs.topk(max(ks), dim=-1)
     values, ids = top_values.tolist(), top_ids.tolist()
     return [
-        TokenLogprob(c, list(zip(ids[r][:k], values[r][:k], strict=True)))
-        for r, (c, k) in enumerate(zip(chosen, ks, strict=True))
+        TokenLogprob(c, list(zip(ids[r][:k], values[r][:k], strict=True)), rank)
+        for r, (c, k, rank) in enumerate(zip(chosen, ks, ranks, strict=True))
     ]
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: a prompt's rows go through the vocabulary this many at a time
+
+
+def score_prompts(
+    items: Sequence[ScheduledItem], hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, list[TokenLogprob]]:
+    """vLLM's prompt logprobs, by request id: for each of an item's `prompt_logprob_positions` (their hidden
+    states in `hidden`, in item order), the log-softmax of its logits at the prompt token that follows, that
+    token's rank and the request's top k. In slices of PROMPT_LOGITS_ROWS rows, so a long prompt never holds its
+    whole [tokens, vocab] logits at once."""
+    scored: dict[str, list[TokenLogprob]] = {}
+    at = 0
+    for item in items:
+        positions = item.prompt_logprob_positions
+        for a in range(0, len(positions), PROMPT_LOGITS_ROWS):
+            span = positions[a : a + PROMPT_LOGITS_ROWS]
+            logprobs = torch.log_softmax(compute_logits(hidden[at + a : at + a + len(span)]), dim=-1)
+            targets = [item.prompt_ids[p + 1] for p in span]
+            k = item.params.prompt_logprobs or 0
+            scored.setdefault(item.request_id, []).extend(token_logprobs(logprobs, targets, [k] * len(span), True))
+        at += len(positions)
+    return scored
 
 
 TOP_K, TOP_P, PLAIN = 0, 1, 2  # a random row's path, by its own parameters
@@ -176,6 +207,8 @@ class Sampler:
     def __init__(self, seed: int | None = None, plain: PlainDraw = draw_plain) -> None:
         self._plain = plain
         self._counts: dict[str, TokenCounts] = {}  # penalized requests' counts, by request id
+        self._outputs: dict[str, list[int]] = {}  # bad-words requests' output so far, by request id
+        self._disallowed: dict[str, torch.Tensor] = {}  # allow-list requests' masks, by request id
         self._generator = torch.Generator()  # for unseeded requests
         if seed is None:
             self._generator.seed()
@@ -211,6 +244,8 @@ class Sampler:
         x = logits if rand == list(range(len(params))) else logits.index_select(0, rows)
         if any(p.temperature != 1 for p in chosen):  # x / 1 is x: skipping it changes no bit
             x = x / table[:, 1:2].float()
+        if any(p.min_p for p in chosen):  # after the temperature, before top-k/top-p, as vLLM filters
+            x = apply_min_p(x, [p.min_p for p in chosen])
         picks = draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen, self._plain)
         return out.index_copy_(0, rows, picks).tolist()
 
@@ -218,29 +253,59 @@ class Sampler:
         """Forget finished requests' penalty counts."""
         for rid in request_ids:
             self._counts.pop(rid, None)
+            self._outputs.pop(rid, None)
+            self._disallowed.pop(rid, None)
 
     def sample_items(
         self, logits: torch.Tensor, items: Sequence[ScheduledItem], eos_token_ids: set[int]
     ) -> ModelOutput:
         """One step's sampling for `items` (row i of `logits` is items[i]'s next token): raw logprobs where
-        asked for, EOS and stop ids masked under min_tokens, penalties, then the draw. Returns the tokens and,
-        per row, its TokenLogprob (None where not asked for)."""
+        asked for, EOS and stop ids masked under min_tokens, the logits controls, penalties, then the draw.
+        Returns the tokens and, per row, its TokenLogprob (None where not asked for)."""
         params = [it.params for it in items]
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
         under_min = [i for i, it in enumerate(items) if it.num_output < it.params.min_tokens]
         mask_tokens(logits, [(i, banned_under_min_tokens(params[i], eos_token_ids)) for i in under_min])
+        constrained = [i for i, p in enumerate(params) if p.constrained]
+        if constrained:
+            self._constrain(logits, [(i, items[i]) for i in constrained])
         penalized = [(i, it.params, self._counts_of(it, logits)) for i, it in enumerate(items) if it.params.penalized]
         apply_penalties(logits, penalized)
         tokens = self.sample(logits, params, [it.start + it.num_tokens for it in items])
         for i, _, counts in penalized:
             counts.add(tokens[i])
+        for i in constrained:
+            if params[i].bad_words_token_ids:
+                self._outputs[items[i].request_id].append(tokens[i])
         logprobs: list[TokenLogprob | None] = [None] * len(items)
         if raw is not None:
             chosen = token_logprobs(raw, [tokens[i] for i in wanted], [params[i].logprobs for i in wanted])
             for i, entry in zip(wanted, chosen, strict=True):
                 logprobs[i] = entry
         return ModelOutput(tokens, logprobs if wanted else [])
+
+    def _constrain(self, logits: torch.Tensor, rows: Sequence[tuple[int, ScheduledItem]]) -> None:
+        """The allow-lists, bad words and logit biases of `rows` (row index, item), in place."""
+        for row, item in rows:
+            p = item.params
+            if p.allowed_token_ids is not None:
+                mask = self._disallowed.get(item.request_id)
+                if mask is None:
+                    mask = disallowed_mask(p.allowed_token_ids, logits.shape[1], logits.device)
+                    self._disallowed[item.request_id] = mask
+                logits[row].masked_fill_(mask, NEG_INF)
+            if p.bad_words_token_ids:
+                ban_bad_words(logits[row], p.bad_words_token_ids, self._output_of(item))
+        add_logit_bias(logits, [(row, item.params.logit_bias) for row, item in rows if item.params.logit_bias])
+
+    def _output_of(self, item: ScheduledItem) -> list[int]:
+        """The request's output as this sampler drew it. Longer than the request's output: a new request under
+        a finished one's id (see `_counts_of`): it starts over."""
+        output = self._outputs.get(item.request_id)
+        if output is None or len(output) > item.num_output:
+            output = self._outputs[item.request_id] = []
+        return output
 
     def _counts_of(self, item: ScheduledItem, logits: torch.Tensor) -> TokenCounts:
         counts = self._counts.get(item.request_id)

@@ -21,6 +21,7 @@ class TokenLogprob:
 
     logprob: float  # of the chosen token
     top: list[tuple[int, float]]  # the request's top k (token id, logprob), best first
+    rank: int | None = None  # the chosen token's rank in the vocabulary, where asked (prompt logprobs)
 
 
 @dataclass
@@ -46,6 +47,9 @@ class Sequence:
     # Preempted by swap: the tokens whose KV went to host memory (the backend keeps the copy, by request id).
     swapped_tokens: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # parallel to output_ids when asked for
+    # params.prompt_logprobs set: prompt_logprobs[p] is prompt token p's (None for the first), filled as the
+    # prompt's chunks are computed (engine/core/llm_engine.py)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, tuple):
@@ -73,6 +77,13 @@ class Sequence:
         if end <= n:
             return list(self.prompt_ids[start:end])
         return [*self.prompt_ids[start:], *self.output_ids[: end - n]]
+
+    def record_prompt_logprobs(self, first: int, scored: list[TokenLogprob]) -> None:
+        """Take a step's prompt logprobs, `scored[i]` for prompt position `first + i`: those this sequence does not
+        hold yet (a recompute after a preemption scores its prompt again)."""
+        have = len(self.prompt_logprobs)
+        if first <= have:
+            self.prompt_logprobs.extend(scored[have - first :])
 
     @property
     def is_decode(self) -> bool:

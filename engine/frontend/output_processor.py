@@ -18,18 +18,22 @@ from typing import Any
 
 from engine.core.outputs import EngineOutput
 from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import TokenLogprob
 from engine.frontend.stop_strings import StopStrings
 from engine.model.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True, slots=True)
 class LogprobEntry:
-    """One output token's logprobs with the texts the API shows: each token decoded alone, special tokens
-    included, as vLLM writes them."""
+    """One token's logprobs with the texts the API shows: each token decoded alone, special tokens included, as
+    vLLM writes them; and the ids behind them (for `return_tokens_as_token_ids` and prompt logprobs)."""
 
     token: str
-    logprob: float  # of the chosen token
+    logprob: float | None  # of the chosen token; None for a prompt's first token (nothing comes before it)
     top: list[tuple[str, float]]  # the request's top k, best first
+    token_id: int = -1
+    top_ids: tuple[int, ...] = ()  # parallel to `top`
+    rank: int | None = None  # the token's rank in the vocabulary (prompt logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,7 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[LogprobEntry] | None = None  # with the first token, where asked: each prompt token's
 
 
 @dataclass
@@ -56,7 +61,10 @@ class _RequestText:
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
         self._tokenizer = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._detok = None
+        if tokenizer is not None:
+            spaces = params.spaces_between_special_tokens
+            self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, spaces)
         self._stop = StopStrings(params.stop) if tokenizer is not None else StopStrings([])
         self._params = params
         self.num_tokens = 0
@@ -89,14 +97,21 @@ class _RequestText:
         self.sent += len(delta)
         return delta, reason
 
-    def logprobs(self, out: EngineOutput) -> list[LogprobEntry]:
-        def text(token_id: int) -> str:
-            return self._tokenizer.decode([token_id], skip_special_tokens=False) if self._tokenizer else ""
+    def _text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False) if self._tokenizer else ""
 
-        return [
-            LogprobEntry(text(t), e.logprob, [(text(i), lp) for i, lp in e.top])
-            for t, e in zip(out.new_token_ids, out.new_logprobs, strict=True)
-        ]
+    def _entry(self, token_id: int, e: TokenLogprob) -> LogprobEntry:
+        top = [(self._text(i), lp) for i, lp in e.top]
+        return LogprobEntry(self._text(token_id), e.logprob, top, token_id, tuple(i for i, _ in e.top), e.rank)
+
+    def logprobs(self, out: EngineOutput) -> list[LogprobEntry]:
+        return [self._entry(t, e) for t, e in zip(out.new_token_ids, out.new_logprobs, strict=True)]
+
+    def prompt_logprobs(self, out: EngineOutput) -> list[LogprobEntry]:
+        """Each prompt token's entry (the first without a logprob). A backend that scores no prompt (the twin)
+        leaves only the first, so the two lists may differ in length."""
+        pairs = zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=False)
+        return [LogprobEntry(self._text(t), None, [], t) if e is None else self._entry(t, e) for t, e in pairs]
 
 
 class OutputProcessor:
@@ -121,7 +136,8 @@ class OutputProcessor:
                 continue
             text, reason = req.update(out)
             logprobs = req.logprobs(out) if out.new_logprobs else []
-            done.outputs.append(RequestOutput(out.request_id, text, out.new_token_ids, logprobs, reason))
+            prompt = req.prompt_logprobs(out) if out.prompt_logprobs is not None else None
+            done.outputs.append(RequestOutput(out.request_id, text, out.new_token_ids, logprobs, reason, prompt))
             if reason is not None:
                 del self._requests[out.request_id]
                 if out.finish_reason is None:

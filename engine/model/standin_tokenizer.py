@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.model.tokenizer import compile_template, continue_final
+
 CHARS_PER_TOKEN = 4
 ID_BASE = 1000
 ID_SPAN = 30000
@@ -35,6 +37,23 @@ class StandInTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return FILLER * len(ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+    def added_tokens(self) -> dict[int, str]:
+        return {}
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **variables: Any,
+    ) -> str:
+        """The rule above, or a request's own template (engine/model/tokenizer.py renders it, `variables` too)."""
+        if chat_template is not None:
+            variables = {**variables, "messages": messages, "add_generation_prompt": add_generation_prompt}
+            text = compile_template(chat_template).render(variables)
+        else:
+            text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+            text += "<|assistant|>\n" if add_generation_prompt else ""
+        return continue_final(text, messages[-1]["content"]) if continue_final_message else text

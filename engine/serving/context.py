@@ -35,6 +35,8 @@ class AppContext:
     admin_key: str | None = None  # guards PATCH /controller/config (None: the api_key does)
     bind_host: str = "127.0.0.1"  # where the server listens: beyond loopback the admin endpoint needs a key
     plant: dict[str, str] = field(default_factory=dict)  # the backend's start-up choices and why (launch.py)
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice auto finds calls in the text
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may bring its own
 
     @property
     def admin_token(self) -> str | None:

@@ -63,6 +63,8 @@ def build_app(ecfg: EngineConfig, scfg: ServerConfig) -> FastAPI:
         admin_key=scfg.admin_key,
         bind_host=scfg.host,
         plant=backend.info().as_dict(),
+        tool_call_parser=scfg.tool_call_parser,
+        trust_request_chat_template=scfg.trust_request_chat_template,
     )
     _warn_if_exposed(ctx, scfg.host)
     logger.info("starting engine loop (policy %s, max waiting %d)", engine.policy.name, scfg.max_waiting)

@@ -4,8 +4,9 @@ Handlers never touch the engine directly: they check what the engine does not (m
 fields, token ids), tokenize, submit one engine request per choice (`choices.submit`: each prompt times
 `n`) and turn the merged messages (text deltas and logprob entries, decoded on the engine thread) into
 answers, so streamed deltas and non-streamed bodies come from the same text. `_Endpoint` holds what differs
-between the two endpoints. An answer names the model as the client asked for it (any served name), as
-vLLM's does.
+between the two endpoints, `_Shape` what vLLM's options add to an answer beyond each choice's text (echo,
+prompt logprobs, token ids for token texts, the role); engine/serving/prompts.py makes the prompts. An answer
+names the model as the client asked for it (any served name), as vLLM's does.
 """
 
 from __future__ import annotations
@@ -13,18 +14,25 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine.core.sampling_params import ParamError, StructuredOutput
+from engine.frontend.bad_words import bad_words_token_ids
 from engine.serving import protocol as p
+from engine.serving.beam_search import search
 from engine.serving.choices import Choice, ChoiceUpdates, submit
 from engine.serving.context import AppContext, Ctx, require_key
-from engine.serving.errors import APIError, bad_request, clip, error_body, error_responses, shorten
-from engine.serving.logprobs import ChatLogprobs, CompletionLogprobs
+from engine.serving.errors import APIError, bad_request, clip, error_body, error_responses
+from engine.serving.logprobs import ChatLogprobs, CompletionLogprobs, prompt_logprobs
+from engine.serving.messages import LogprobEntry
+from engine.serving.prompts import Prompt, chat_prompt, completion_prompts
+from engine.serving.structured_fields import structured_of
+from engine.serving.tools import ChoiceStream, ToolPlan, answer_message
 
 DISCONNECT_POLL_S = 0.5  # non-streaming requests: how often to check whether the client is still there
 
@@ -69,7 +77,6 @@ class _Endpoint:
     chunk_object: str
     logprobs: type[CompletionLogprobs] | type[ChatLogprobs]
     choice: Callable[[int, str, dict | None, str | None], dict[str, Any]]  # a body's choice
-    opening: Callable[[int], list[dict[str, Any]]]  # a stream's first chunk choices for one choice
     deltas: Callable[[int, str, dict | None, str | None], list[dict[str, Any]]]  # a stream's, per update
 
 
@@ -87,13 +94,33 @@ def _chat_deltas(index: int, text: str, logprobs: dict | None, reason: str | Non
 
 
 COMPLETIONS = _Endpoint(
-    "cmpl", "text_completion", "text_completion", CompletionLogprobs, p.completion_choice,
-    lambda index: [], _completion_deltas,
-)  # fmt: skip
-CHAT = _Endpoint(
-    "chatcmpl", "chat.completion", "chat.completion.chunk", ChatLogprobs, p.chat_choice,
-    lambda index: [p.chat_delta(index, {"role": "assistant", "content": ""}, None, None)], _chat_deltas,
-)  # fmt: skip
+    "cmpl", "text_completion", "text_completion", CompletionLogprobs, p.completion_choice, _completion_deltas
+)
+CHAT = _Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", ChatLogprobs, p.chat_choice, _chat_deltas)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What an answer shows beyond each choice's text: vLLM's options."""
+
+    logprobs: int | None  # the output tokens' top k; None: no logprobs
+    prompt_logprobs: int | None  # the engine's: the prompt is scored, and the answer carries `prompt_logprobs`
+    echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's logprobs lead each choice's
+    generates: bool = True  # False: echo with max_tokens 0, the answer is the prompt alone
+    as_ids: bool = False  # return_tokens_as_token_ids
+    role: str = "assistant"  # chat: the answer's role
+    tools: ToolPlan | None = None  # chat: the tool calls its text holds (engine/serving/tools.py)
+
+
+@dataclass
+class _Result:
+    """One choice as an answer's body shows it."""
+
+    index: int
+    text: str
+    logprobs: list[LogprobEntry]
+    finish_reason: str | None
+    prompt_logprobs: list[LogprobEntry] | None = None
 
 
 def _check_model(ctx: AppContext, name: str | None) -> None:
@@ -104,89 +131,151 @@ def _check_model(ctx: AppContext, name: str | None) -> None:
                        code="model_not_found")  # fmt: skip
 
 
-def _check_ids(ctx: AppContext, ids: list[int]) -> list[int]:
-    limit = ctx.vocab_size
-    bad = [t for t in ids if t < 0 or (limit is not None and t >= limit)]
-    if bad:
-        raise bad_request(
-            f"token id {clip(bad[0])} is out of range [0, {limit or 'inf'})", "prompt", "invalid_token_id"
-        )
-    return ids
+class _Answer:
+    """One answer to a request, its shape and its prompts: submitted (each prompt `n` times) or beam-searched,
+    then made into one JSON body, or an SSE stream of chunks, the usage chunk if asked for, and [DONE]. Usage
+    counts each prompt once and every choice's tokens."""
+
+    def __init__(self, ctx: AppContext, req: p.CompletionRequest | p.ChatCompletionRequest, endpoint: _Endpoint,
+                 prompts: list[Prompt], shape: _Shape, structured: StructuredOutput | None = None) -> None:  # fmt: skip
+        self.ctx, self.req, self.endpoint, self.prompts, self.shape = ctx, req, endpoint, prompts, shape
+        self.structured = structured  # the grammar every choice keeps to (engine/core/structured.py)
+        self.rid = f"{endpoint.id_prefix}-{req.request_id}" if req.request_id else p.new_id(endpoint.id_prefix)
+        self.created, self.name = p.now(), req.model or ctx.model_name
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return p.usage(sum(len(prompt.ids) for prompt in self.prompts), completion_tokens)
+
+    def body(self, results: list[_Result], completion_tokens: int) -> JSONResponse:
+        shape, endpoint = self.shape, self.endpoint
+        choices = []
+        for r in results:
+            text = self.prompts[r.index // self.req.n].echo + (r.text if shape.generates else "")
+            logprobs = None
+            if shape.logprobs is not None:
+                lead = (r.prompt_logprobs or []) if shape.echo_logprobs else []
+                logprobs = endpoint.logprobs(shape.as_ids).add([*lead, *(r.logprobs if shape.generates else [])])
+            choice = endpoint.choice(r.index, text, logprobs, r.finish_reason)
+            if endpoint is CHAT:
+                choice["message"]["role"] = shape.role
+                if shape.tools is not None:
+                    fields, choice["finish_reason"] = answer_message(shape.tools, text, r.finish_reason)
+                    choice["message"].update(fields)
+            elif shape.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(r.prompt_logprobs or [])
+            choices.append(choice)
+        body = p.envelope(self.rid, self.created, self.name, endpoint.body_object, choices)
+        if endpoint is CHAT and shape.prompt_logprobs is not None and results:
+            body["prompt_logprobs"] = prompt_logprobs(results[0].prompt_logprobs or [])
+        return JSONResponse({**body, "usage": self.usage(completion_tokens)})
+
+    async def respond(self, request: Request, max_tokens: int | None) -> Response:
+        req, ctx = self.req, self.ctx
+        if req.use_beam_search:
+            return await self.beams(request, max_tokens)
+        try:
+            bad_words = bad_words_token_ids(req.bad_words, ctx.tokenizer) if req.bad_words else None
+        except ParamError as e:
+            raise bad_request(str(e), e.param) from e
+        first = req.sampling_params(max_tokens, self.shape.logprobs, self.shape.prompt_logprobs, bad_words)
+        first = replace(first, structured=self.structured)
+        requests = [(prompt.ids, req.for_sample(first, j)) for prompt in self.prompts for j in range(req.n)]
+        updates = ChoiceUpdates(await submit(ctx.engine, requests))
+        if req.stream:
+            return _AbortOnClose(self.events(updates), updates.close)
+        try:
+            scored = await _collect(updates, request)
+        finally:
+            updates.close()
+        if scored is None:
+            return Response(status_code=499)
+        results = [_Result(c.index, c.text, c.logprobs, c.finish_reason, scored.get(c.index)) for c in updates.choices]
+        return self.body(results, sum(c.handle.num_tokens for c in updates.choices))
+
+    async def beams(self, request: Request, max_tokens: int | None) -> Response:
+        """vLLM's beam search (engine/serving/beam_search.py); n is the width."""
+        if self.shape.prompt_logprobs is not None:
+            raise bad_request("beam search answers without prompt logprobs (and so without echo's)", "use_beam_search")
+        ids = [prompt.ids for prompt in self.prompts]
+        found = await search(
+            self.ctx.engine, self.ctx.tokenizer, self.req, ids, max_tokens, self.shape.logprobs or 0,
+            request.is_disconnected,
+        )  # fmt: skip
+        if await request.is_disconnected():
+            return Response(status_code=499)
+        n = self.req.n
+        results = [
+            _Result(i * n + j, b.text, b.logprobs, b.finish_reason)
+            for i, beams in enumerate(found)
+            for j, b in enumerate(beams)
+        ]
+        return self.body(results, sum(b.num_tokens for beams in found for b in beams))
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> str:
+        body = p.envelope(self.rid, self.created, self.name, self.endpoint.chunk_object, choices)
+        return _sse({**body, "usage": None} if self.req.include_usage else body)
+
+    def _opening(self, choice: Choice) -> list[str]:
+        """A chat stream opens each choice with its role, then the echoed message (vLLM's chat echo)."""
+        if self.endpoint is not CHAT:
+            return []
+        echo = self.prompts[choice.index // self.req.n].echo
+        chunks = [self._chunk([p.chat_delta(choice.index, {"role": self.shape.role, "content": ""}, None, None)])]
+        return chunks + ([self._chunk([p.chat_delta(choice.index, {"content": echo}, None, None)])] if echo else [])
+
+    async def events(self, updates: ChoiceUpdates) -> AsyncIterator[str]:
+        shape, echoed = self.shape, set()
+        as_ids = shape.as_ids
+        pieces = {} if shape.logprobs is None else {c.index: self.endpoint.logprobs(as_ids) for c in updates.choices}
+        tools = {c.index: ChoiceStream(shape.tools) for c in updates.choices} if shape.tools is not None else {}
+        try:
+            for c in updates.choices:
+                for chunk in self._opening(c):
+                    yield chunk
+            async for c, update in updates:
+                text, entries = c.advance(update), update.logprobs
+                if not shape.generates:
+                    text, entries = "", []
+                if self.endpoint is COMPLETIONS and c.index not in echoed:  # its first chunk leads with the echo
+                    echoed.add(c.index)
+                    lead = (update.prompt_logprobs or []) if shape.echo_logprobs else []
+                    text, entries = self.prompts[c.index // self.req.n].echo + text, [*lead, *entries]
+                piece = pieces[c.index].add(entries) if pieces and entries else None
+                deltas = tools[c.index].deltas if tools else self.endpoint.deltas
+                for choice in deltas(c.index, text, piece, c.finish_reason):
+                    yield self._chunk([choice])
+            if self.req.include_usage:
+                tokens = sum(c.handle.num_tokens for c in updates.choices)
+                body = p.envelope(self.rid, self.created, self.name, self.endpoint.chunk_object, [])
+                yield _sse({**body, "usage": self.usage(tokens)})
+        except APIError as e:
+            yield _sse(error_body(e.message, e.type, e.param, e.code))
+        yield _sse("[DONE]")
 
 
-async def _collect(updates: ChoiceUpdates, request: Request) -> bool:
-    """Run a non-streaming answer to its end; False when the client went away first.
+async def _collect(updates: ChoiceUpdates, request: Request) -> dict[int, list[LogprobEntry]] | None:
+    """Run a non-streaming answer to its end; returns each choice's prompt logprobs (where the engine scored
+    its prompt), or None when the client went away first.
 
     The client is checked every DISCONNECT_POLL_S of wall time (updates may arrive faster than that, so the
     check is not tied to a timeout). A timeout cancels only the wait on the updates' queue, which loses
     nothing."""
     loop = asyncio.get_running_loop()
     check_at = loop.time() + DISCONNECT_POLL_S
+    scored: dict[int, list[LogprobEntry]] = {}
     while not updates.done:
         try:
             choice, update = await asyncio.wait_for(updates.get(), max(0.001, check_at - loop.time()))
             choice.advance(update)
+            if update.prompt_logprobs is not None:
+                scored[choice.index] = update.prompt_logprobs
         except TimeoutError:
             pass
         if loop.time() >= check_at:
             if await request.is_disconnected():
-                return False
+                return None
             check_at = loop.time() + DISCONNECT_POLL_S
-    return True
-
-
-async def _answer(
-    ctx: AppContext,
-    req: p.CompletionRequest | p.ChatCompletionRequest,
-    request: Request,
-    endpoint: _Endpoint,
-    prompts: list[list[int]],
-    max_tokens: int | None,
-    logprobs: int | None,
-) -> Response:
-    """Submit each prompt `n` times, then answer with one JSON body or an SSE stream of chunks, the usage
-    chunk if asked for, and [DONE]. Usage counts each prompt once and every choice's tokens."""
-    requests = [(ids, req.sampling_params(max_tokens, logprobs, j)) for ids in prompts for j in range(req.n)]
-    updates = ChoiceUpdates(await submit(ctx.engine, requests))
-    rid, created, name = p.new_id(endpoint.id_prefix), p.now(), req.model or ctx.model_name
-
-    def use() -> dict[str, int]:
-        return p.usage(sum(map(len, prompts)), sum(c.handle.num_tokens for c in updates.choices))
-
-    def final_logprobs(c: Choice) -> dict | None:
-        return None if logprobs is None else endpoint.logprobs().add(c.logprobs)
-
-    if not req.stream:
-        try:
-            if not await _collect(updates, request):
-                return Response(status_code=499)
-        finally:
-            updates.close()
-        choices = [endpoint.choice(c.index, c.text, final_logprobs(c), c.finish_reason) for c in updates.choices]
-        return JSONResponse({**p.envelope(rid, created, name, endpoint.body_object, choices), "usage": use()})
-
-    def chunk(choices: list[dict[str, Any]]) -> str:
-        body = p.envelope(rid, created, name, endpoint.chunk_object, choices)
-        return _sse({**body, "usage": None} if req.include_usage else body)
-
-    async def events() -> AsyncIterator[str]:
-        formatters = {c.index: endpoint.logprobs() for c in updates.choices}
-        try:
-            for c in updates.choices:
-                for opening in endpoint.opening(c.index):
-                    yield chunk([opening])
-            async for c, update in updates:
-                delta = c.advance(update)
-                piece = formatters[c.index].add(update.logprobs) if logprobs is not None and update.token_ids else None
-                for choice in endpoint.deltas(c.index, delta, piece, c.finish_reason):
-                    yield chunk([choice])
-            if req.include_usage:
-                yield _sse({**p.envelope(rid, created, name, endpoint.chunk_object, []), "usage": use()})
-        except APIError as e:
-            yield _sse(error_body(e.message, e.type, e.param, e.code))
-        yield _sse("[DONE]")
-
-    return _AbortOnClose(events(), updates.close)
+    return scored
 
 
 @router.get("/models")
@@ -203,23 +292,26 @@ async def models(ctx: Ctx) -> dict[str, Any]:
 async def completions(req: p.CompletionRequest, request: Request, ctx: Ctx) -> Response:
     _check_model(ctx, req.model)
     req.check_unsupported()
-    prompts = [
-        ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
-        if isinstance(prompt, str)
-        else _check_ids(ctx, prompt)
-        for prompt in req.prompts()
-    ]
-    return await _answer(ctx, req, request, COMPLETIONS, prompts, req.max_tokens, req.logprobs)
+    req.check_rules()
+    max_tokens = req.engine_max_tokens()
+    prompts = completion_prompts(ctx, req, max_tokens)
+    as_ids = bool(req.return_tokens_as_token_ids)
+    echo_logprobs = req.echo and req.logprobs is not None
+    shape = _Shape(req.logprobs, req.engine_prompt_logprobs(), echo_logprobs, req.generates, as_ids)
+    structured = await structured_of(ctx, req)
+    return await _Answer(ctx, req, COMPLETIONS, prompts, shape, structured).respond(request, max_tokens)
 
 
 @router.post("/chat/completions", response_model=None, responses=ANSWER_RESPONSES)
 async def chat(req: p.ChatCompletionRequest, request: Request, ctx: Ctx) -> Response:
     _check_model(ctx, req.model)
     req.check_unsupported()
+    req.check_rules()
     logprobs = req.engine_logprobs()
-    try:
-        prompt = ctx.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages])
-    except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's 400
-        raise bad_request(f"cannot render the chat template: {shorten(str(e))}", "messages") from e
-    ids = ctx.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
-    return await _answer(ctx, req, request, CHAT, [ids], req.resolved_max_tokens(), logprobs)
+    max_tokens = req.resolved_max_tokens()
+    tools = req.tool_plan(ctx.tool_call_parser)
+    prompt = chat_prompt(ctx, req, max_tokens)
+    as_ids = bool(req.return_tokens_as_token_ids)
+    shape = _Shape(logprobs, req.engine_prompt_logprobs(), as_ids=as_ids, role=req.role, tools=tools)
+    structured = await structured_of(ctx, req, tools)
+    return await _Answer(ctx, req, CHAT, [prompt], shape, structured).respond(request, max_tokens)

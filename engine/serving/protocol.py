@@ -5,59 +5,37 @@ string. So /openapi.json, which these models generate, says what the server acce
 
 Unknown fields are ignored, as OpenAI-compatible servers do so that newer clients keep working, except
 those in `UNSUPPORTED`: fields of OpenAI's or vLLM's API whose value would change the answer and that this
-server does not implement (tools, response formats, logit bias, guided decoding, ...). Set to anything but a
-harmless value, such a field is a 400 naming it, never silently dropped.
+server does not implement (audio, web search, ...). Set to anything but a
+harmless value, such a field is a 400 naming it, never silently dropped. engine/serving/api_fields.py lists
+the API's fields that never change the answer here; every other field of both APIs is declared below and
+implemented (tests/test_api_fields.py holds that, field by field); the structured-output and tool fields are
+declared in engine/serving/structured_fields.py and engine/serving/tools.py.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.serving.api_fields import UNSUPPORTED_OPTIONS
 from engine.serving.errors import bad_request
+from engine.serving.structured_fields import StructuredOutputFields
+from engine.serving.tools import ToolFields
 
 MAX_N = 128  # OpenAI's bound on n: each choice is an engine request
 
 # field -> the values that change nothing (None never does); any other value is a 400 naming the field
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "functions": ([],),
-    "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "logit_bias": ({},),
-    "suffix": ("",),
-    "echo": (False,),
-    "prompt_logprobs": (),
-    "min_p": (0,),
-    "use_beam_search": (False,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
-    "logits_processors": ([],),
-    "truncate_prompt_tokens": (),
-    "return_tokens_as_token_ids": (False,),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
-    "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "documents": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
-    "best_of": (1,),  # like vLLM v1: more samples than returned is not served
-    "reasoning_effort": (),
-    "audio": (),
-    "modalities": (["text"],),
-    "web_search_options": (),
+    **UNSUPPORTED_OPTIONS,  # the rest of the API's: engine/serving/api_fields.py says why each is refused
 }
+
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's range for a bias; vLLM clamps a value outside it to the bound
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # beam search draws 2 * width candidates a step, as logprobs
 
 
 def _integral(value: Any) -> Any:
@@ -94,6 +72,11 @@ def bound_token_ids(schema: Any, vocab_size: int | None) -> Any:
 
 
 TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
+# a token id as a JSON key (the vocabulary bounds it in the engine), to a finite bias
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(allow_inf_nan=False)]],
+    Field(json_schema_extra={"additionalProperties": False}),
+]
 Text = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from
 
 
@@ -105,7 +88,7 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(Strict):
+class SamplingFields(Strict, StructuredOutputFields):
     """The fields both endpoints share, with OpenAI's defaults; vLLM's extensions at the end."""
 
     model: str | None = None
@@ -126,6 +109,21 @@ class SamplingFields(Strict):
     min_tokens: integer(ge=0) = 0
     stop_token_ids: list[integer(ge=0)] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's logits controls, prompt logprobs, detokenization, prompt truncation and beam search (issue #42)
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # None: 0 (off)
+    logit_bias: LogitBias | None = None  # OpenAI's: token id (a JSON key) -> bias, clamped to [-100, 100]
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[Text] | None = None
+    prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # not with `stream`, as vLLM
+    echo: bool = False  # completions: the prompt before the text; chat: the last message, if it is the role's
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Literal[-1] | Count | None = None  # keep k prompt tokens; -1: all the context leaves
+    truncation_side: Literal["left", "right"] | None = None  # left (None): keep the last k; right: the first k
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
+    use_beam_search: bool = False  # vLLM's: n beams, not streamed
+    length_penalty: Annotated[float, Field(ge=-20, le=20)] = 1.0  # beam search: logprob / length ** length_penalty
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the answer's id, after its prefix
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -142,15 +140,39 @@ class SamplingFields(Strict):
                     f"{name} is not supported by this server (accepted only as: {allowed})", name, "unsupported_field"
                 )
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, sample: int) -> SamplingParams:
-        """Engine parameters for the `sample`-th choice of a prompt: with `seed`, sample j uses seed + j, as
-        vLLM's parallel sampling does. Range checks run in the engine (RequestError -> 400 with `param`)."""
+    def check_rules(self) -> None:
+        """vLLM's checks across fields (each a 400 naming the field)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        if self.use_beam_search and self.stream:
+            raise bad_request("streaming is not supported with beam search", "use_beam_search")
+        if self.use_beam_search and not 1 <= self.n <= MAX_BEAM_WIDTH:
+            raise bad_request(f"beam search takes n (its width) in [1, {MAX_BEAM_WIDTH}]", "n")
+        if self.length_penalty != 1 and not self.use_beam_search:
+            raise bad_request("length_penalty applies to beam search only (use_beam_search)", "length_penalty")
+
+    def engine_logit_bias(self) -> dict[int, float]:
+        """OpenAI's keys (digits, by the schema) as token ids; each bias clamped to [-100, 100], as vLLM does."""
+        bound = LOGIT_BIAS_BOUND
+        return {int(token): min(bound, max(-bound, bias)) for token, bias in (self.logit_bias or {}).items()}
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        bad_words_token_ids: list[list[int]] | None,
+    ) -> SamplingParams:
+        """Engine parameters for a prompt's first choice (`for_sample` makes the others). Range checks run in
+        the engine (RequestError -> 400 with `param`)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
-            seed=None if self.seed is None else self.seed + sample,
+            seed=self.seed,
             stop=self.stop_list(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -160,7 +182,20 @@ class SamplingFields(Strict):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
+            min_p=self.min_p or 0.0,
+            logit_bias=self.engine_logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
+            bad_words_token_ids=bad_words_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+
+    @staticmethod
+    def for_sample(params: SamplingParams, sample: int) -> SamplingParams:
+        """The `sample`-th choice's: with a seed, sample j uses seed + j, as vLLM's parallel sampling does."""
+        return params if params.seed is None or not sample else replace(params, seed=params.seed + sample)
 
     @property
     def include_usage(self) -> bool:
@@ -169,9 +204,28 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | TokenIdLists
-    max_tokens: Count | None = 16  # OpenAI's default for completions
+    max_tokens: integer(ge=0) | None = 16  # OpenAI's default for completions; 0 only with echo (score the prompt)
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # top k besides the chosen token
     add_special_tokens: bool = True  # vLLM: completions get BOS
+
+    @property
+    def generates(self) -> bool:
+        """False for vLLM's echo with max_tokens 0: the answer is the prompt alone (the engine's one token, run
+        to score the prompt, left out)."""
+        return self.max_tokens != 0
+
+    def engine_max_tokens(self) -> int | None:
+        if not self.generates and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+        return self.max_tokens if self.generates else 1
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs, else with echo the logprobs' k (the prompt's logprobs lead the answer's). A
+        stream shows them only that way: otherwise it does not score the prompt."""
+        echoed = self.echo and self.logprobs is not None
+        if self.stream and not echoed:
+            return None
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if echoed else None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt, as text or token ids (one prompt is a batch of one)."""
@@ -246,7 +300,13 @@ class ToolMessage(_Message):
 ChatMessage = Annotated[InstructionMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
-class ChatCompletionRequest(SamplingFields):
+# vLLM refuses kwargs that would replace the template or its tokenizing
+TemplateKwargs = Annotated[
+    dict[str, Any], Field(json_schema_extra={"propertyNames": {"not": {"enum": ["chat_template", "tokenize"]}}})
+]
+
+
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None  # OpenAI's newer name; wins over max_tokens
@@ -254,9 +314,29 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     add_special_tokens: bool = False  # vLLM: the chat template already writes BOS
 
+    # vLLM's chat template options
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the model continues the final message: no generation prompt
+    chat_template: str | None = None  # a Jinja template for this request, in the same sandbox as the model's
+    chat_template_kwargs: TemplateKwargs | None = None  # more names the template reads
+    documents: list[dict[str, str]] | None = None  # for templates that render retrieved documents
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
     def resolved_max_tokens(self) -> int | None:
         """None means 'up to the context' (OpenAI's chat default)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs, else with echo the top_logprobs' k (the answer's `prompt_logprobs`); a stream
+        never shows them, so it does not score the prompt."""
+        if self.stream or (self.prompt_logprobs is None and not self.echo):
+            return None
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.top_logprobs or 0
+
+    @property
+    def role(self) -> str:
+        """The answer's role, as vLLM names it: the assistant's, else (no generation prompt) the last message's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     def engine_logprobs(self) -> int | None:
         """The engine's k (top entries besides the chosen token), or None when logprobs are off."""
