@@ -172,18 +172,7 @@ def save_gguf(
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    vocab = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in style.special_tokens else 1 for t, _ in vocab])
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(tok.token_to_id(style.bos))
-    w.add_eos_token_id(tok.token_to_id(style.eos))
-    if style.adds_bos:
-        w.add_add_bos_token(True)
-    w.add_chat_template(style.chat_template)
+    add_tokenizer(w, tok, style)
     for name, t in weights.items():
         a = t.numpy()
         if name.endswith("q_proj.weight"):
@@ -200,13 +189,42 @@ def save_gguf(
             _, _, layer, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
             gname = f"blk.{layer}.{GGUF_NAMES[module]}.{suffix}"
-        if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, a.astype(np.float32))
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(gname, a.astype(np.float16))
-        else:
-            q = gguf.quants.quantize(a.astype(np.float32), qtype)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qtype)
+        add_weight(w, gname, a, qtype)
+    write(w)
+
+
+def add_tokenizer(w: gguf.GGUFWriter, tok: Tokenizer, style: TokenizerStyle) -> None:
+    """`tokenizer.ggml.*` and the chat template, as llama.cpp's converter writes a byte-level BPE vocabulary
+    (`default` split rules: the fixture's tokenizer is GPT-2's, which no llama.cpp pre-tokenizer hash names)."""
+    vocab = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in style.special_tokens else 1 for t, _ in vocab])
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(tok.token_to_id(style.bos))
+    w.add_eos_token_id(tok.token_to_id(style.eos))
+    if style.adds_bos:
+        w.add_add_bos_token(True)
+    w.add_chat_template(style.chat_template)
+
+
+def add_weight(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
+    """A tensor in the type llama.cpp's converter gives it in a `qtype` file: vectors, norms, biases and MoE routers
+    in F32 (the converter never quantizes those), a matrix whose rows are not whole quantization blocks in F16,
+    every other matrix in `qtype`."""
+    f32 = a.ndim == 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or ".ffn_gate_inp." in name
+    if f32 or qtype == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, a.astype(np.float32))
+    elif qtype == gguf.GGMLQuantizationType.F16 or a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        w.add_tensor(name, a.astype(np.float16))
+    else:
+        q = gguf.quants.quantize(a.astype(np.float32), qtype)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def write(w: gguf.GGUFWriter) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.core.kv.tensors import allocate_kv_cache
 from engine.factory import _default_block_size
 from engine.model.attention import build_attention_metadata, paged_attention
+from engine.model.attention_metadata import AttentionSpec
 from engine.model.kernel_choice import choose_kernel, flash_attn_load_error
 from engine.model.llama import ModelConfig
 
@@ -134,10 +135,13 @@ def test_flash_attn_is_imported_once_per_process_and_only_where_it_could_run(
     assert tries.read_text() == "x\n"
 
 
-def test_flash_path_passes_upstream_arguments_and_matches_sdpa(fake_flash) -> None:
+@pytest.mark.parametrize(
+    "spec", [AttentionSpec(scale=0.25), AttentionSpec(scale=0.2, window=37, softcap=3.0)], ids=["plain", "gemma2"]
+)
+def test_flash_path_passes_upstream_arguments_and_matches_sdpa(fake_flash, spec: AttentionSpec) -> None:
     """engine/model/attention.py's flash call, through the fake that checks what upstream's kernel checks (paged
     block size, int32 block table and cu_seqlens), agrees with the sdpa kernel on prefills, a chunk over
-    cached context and decodes in one ragged batch."""
+    cached context and decodes in one ragged batch, and reads a layer's window and soft-cap the same way."""
     h, kvh, hd, bs = 4, 2, 16, 256
     cfg = ModelConfig(100, h * hd, 64, 1, h, kvh, hd)
     lens, tables = [(0, 300), (10, 1), (255, 1), (100, 40)], [[0, 1], [2], [3, 4], [5]]
@@ -148,6 +152,6 @@ def test_flash_path_passes_upstream_arguments_and_matches_sdpa(fake_flash) -> No
     out = {}
     for backend in ("sdpa", "flash"):
         kv = allocate_kv_cache(cfg, 8, bs, torch.float32, CPU)[0]
-        out[backend] = paged_attention(q, k, v, kv, build_attention_metadata(seqs, bs, CPU, backend))
+        out[backend] = paged_attention(q, k, v, kv, build_attention_metadata(seqs, bs, CPU, backend), spec)
     assert fake_flash.CALLS == ["flash_attn_varlen_func"]
     torch.testing.assert_close(out["flash"], out["sdpa"], atol=1e-4, rtol=1e-4)

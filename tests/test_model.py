@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.backends.torch_backend import TorchBackend
 from engine.baselines.seed import FixedPolicy
@@ -19,7 +18,9 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
 from engine.model.attention import build_attention_metadata, check_backend, paged_attention
-from engine.model.llama import ModelConfig, rope_inv_freq
+from engine.model.attention_metadata import AttentionSpec
+from engine.model.model_config import ModelConfig
+from engine.model.rope import rope_inv_freq
 from tests.fixtures_llama import build_tiny_llama
 from tests.kernel_build import require_cpu_kernels
 
@@ -38,13 +39,21 @@ def test_slot_mapping_and_lens() -> None:
     assert meta.block_tables[:, :2].tolist() == [[7, 2], [4, 0]]
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: int) -> torch.Tensor:
-    """q [n, H, hd] for the last n of the context's positions; k, v [ctx, KVH, hd]: causal, fp64."""
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_new: int, spec: AttentionSpec
+) -> torch.Tensor:
+    """q [n, H, hd] for the last n of the context's positions; k, v [ctx, KVH, hd]: causal (within the spec's
+    window), fp64, written out as HF's eager attention is."""
     ctx = k.shape[0]
     k = k.double().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     v = v.double().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
-    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - num_new, ctx)[:, None]
-    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+    key, query = torch.arange(ctx)[None, :], torch.arange(ctx - num_new, ctx)[:, None]
+    mask = (key <= query) & (key > query - (spec.window or ctx))
+    scores = q.double().transpose(0, 1) @ k.transpose(-1, -2) * spec.scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (weights @ v).transpose(0, 1)
 
 
 def ragged_case(dtype: torch.dtype, seed: int = 0, hd: int = HD):
@@ -68,44 +77,58 @@ def ragged_case(dtype: torch.dtype, seed: int = 0, hd: int = HD):
     return (k_cache, v_cache), seqs
 
 
-def run_batch(kv, seqs, backend: str = "sdpa") -> list[torch.Tensor]:
+def run_batch(kv, seqs, backend: str, spec: AttentionSpec) -> list[torch.Tensor]:
     meta = build_attention_metadata([(prefix, new, table) for prefix, new, table, *_ in seqs], BS, "cpu", backend)
     q = torch.cat([s[3] for s in seqs])
     k = torch.cat([s[4][s[0] : s[0] + s[1]] for s in seqs])
     v = torch.cat([s[5][s[0] : s[0] + s[1]] for s in seqs])
-    return list(paged_attention(q, k, v, kv, meta).split([s[1] for s in seqs]))
+    return list(paged_attention(q, k, v, kv, meta, spec).split([s[1] for s in seqs]))
 
 
 # the C++ kernel with head_dim 16 (its generic path), 64 and 128 (its unrolled ones); the torch kernel
 CPU_KERNELS = [("cpu", 16), ("cpu", 64), ("cpu", 128), ("sdpa", HD)]
+# plain; Gemma 2's layers (a scale of their own, soft-capped scores, a window shorter than most contexts here
+# and longer than some, crossing block edges)
+SPECS = {"plain": None, "window-softcap": (0.3, 21, 2.5)}
 
 
+def spec_of(name: str, hd: int) -> AttentionSpec:
+    if SPECS[name] is None:
+        return AttentionSpec(scale=hd**-0.5)
+    scale, window, softcap = SPECS[name]
+    return AttentionSpec(scale=scale, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize(("backend", "hd"), CPU_KERNELS)
-def test_paged_attention_matches_dense_reference(backend: str, hd: int) -> None:
+def test_paged_attention_matches_dense_reference(backend: str, hd: int, spec_name: str) -> None:
     if backend == "cpu":
         require_cpu_kernels()
     kv, seqs = ragged_case(torch.float32, hd=hd)
-    for out, (prefix, new, table, q, k, v) in zip(run_batch(kv, seqs, backend), seqs, strict=True):
-        torch.testing.assert_close(out.double(), dense_reference(q, k, v, new), atol=1e-5, rtol=1e-5)
+    spec = spec_of(spec_name, hd)
+    for out, (prefix, new, table, q, k, v) in zip(run_batch(kv, seqs, backend, spec), seqs, strict=True):
+        torch.testing.assert_close(out.double(), dense_reference(q, k, v, new, spec), atol=1e-5, rtol=1e-5)
         # the new tokens' K/V landed in their slots
         p = prefix + new - 1
         assert torch.equal(kv[0][table[p // BS], p % BS], k[p])
 
 
+@pytest.mark.parametrize("spec_name", SPECS)
 @pytest.mark.parametrize(("backend", "hd"), CPU_KERNELS)
-def test_paged_attention_is_batch_invariant_bitwise(backend: str, hd: int) -> None:
+def test_paged_attention_is_batch_invariant_bitwise(backend: str, hd: int, spec_name: str) -> None:
     """bf16: a token's attention output is bitwise the same computed with the whole ragged batch, alone,
     and one token at a time as decodes (what chunked prefill and recompute after preemption rely on)."""
     if backend == "cpu":
         require_cpu_kernels()
     kv, seqs = ragged_case(torch.bfloat16, seed=1, hd=hd)
-    batched = run_batch(kv, seqs, backend)
+    spec = spec_of(spec_name, hd)
+    batched = run_batch(kv, seqs, backend, spec)
     for out, seq in zip(batched, seqs, strict=True):
-        assert torch.equal(out, run_batch(kv, [seq], backend)[0])
+        assert torch.equal(out, run_batch(kv, [seq], backend, spec)[0])
         prefix, new, table, q, k, v = seq
         for j in range(new):
             one = (prefix + j, 1, table, q[j : j + 1], k, v)
-            assert torch.equal(out[j], run_batch(kv, [one], backend)[0][0])
+            assert torch.equal(out[j], run_batch(kv, [one], backend, spec)[0][0])
 
 
 def test_flash_needs_cuda_and_block_multiple() -> None:
@@ -117,7 +140,8 @@ def test_flash_needs_cuda_and_block_multiple() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash_attn is needed")
-def test_flash_matches_sdpa() -> None:
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_flash_matches_sdpa(spec_name: str) -> None:
     dev, bs = torch.device("cuda"), 256
     cfg = ModelConfig(100, H * HD, 64, 1, H, KVH, HD)
     kv = allocate_kv_cache(cfg, 8, bs, torch.bfloat16, dev)[0]
@@ -128,7 +152,7 @@ def test_flash_matches_sdpa() -> None:
     out = {}
     for backend in ("sdpa", "flash"):
         meta = build_attention_metadata([(s, n, t) for (s, n), t in zip(lens, tables, strict=True)], bs, dev, backend)
-        out[backend] = paged_attention(q, k, v, kv, meta)
+        out[backend] = paged_attention(q, k, v, kv, meta, spec_of(spec_name, HD))
     torch.testing.assert_close(out["flash"], out["sdpa"], atol=2e-2, rtol=2e-2)
 
 

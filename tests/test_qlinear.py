@@ -172,9 +172,9 @@ def test_the_default_model_ships_quantized_and_the_cache_keeps_it(tmp_path) -> N
 
 def test_a_matrix_without_whole_blocks_of_outputs_stays_float() -> None:
     """A vocabulary of 32,001, say: that matrix is dequantized, the others stay packed."""
-    from engine.model.llama import _fused
+    from engine.model.checkpoint import fused_weight
 
     odd, even = weight(40, 64, "q8_0"), weight(48, 64, "q8_0")
-    assert _fused([odd], "gguf").dtype == torch.float32
-    assert _fused([even], "gguf").dtype == torch.uint8
-    assert _fused([torch.from_numpy(odd.floats())], "q4_1").dtype == torch.float32
+    assert fused_weight([odd], "gguf").dtype == torch.float32
+    assert fused_weight([even], "gguf").dtype == torch.uint8
+    assert fused_weight([torch.from_numpy(odd.floats())], "q4_1").dtype == torch.float32

@@ -54,7 +54,7 @@ def check_kernel() -> None:
         k, v = (padded_cache(blocks, bs, kv_heads, dim, dtype) for _ in range(2))
         lens = torch.tensor([1, bs, bs + 1, 97, 12 * bs], dtype=torch.int32)
         tables = torch.stack([torch.randperm(blocks)[:12] for _ in range(5)]).to(torch.int32)
-        out = paged_decode_attention(q, k, v, tables, lens)
+        out = paged_decode_attention(q, k, v, tables, lens, dim**-0.5)
         ref = reference(q, k, v, tables, lens)
         err = ((out.double() - ref).norm() / ref.norm()).item()
         print(f"kernel heads {heads}/{kv_heads} dim {dim} {dtype}: relative error {err:.2e}")

@@ -19,7 +19,7 @@ from engine.core.structured import StructuredOutputs
 from engine.model import cpu_kernels
 from engine.model.attention import build_attention_metadata
 from engine.model.batch_invariance import linear_min_rows
-from engine.model.cpu_forward import fused_layers
+from engine.model.cpu_forward import fused_layers, loop_reason
 from engine.model.cpu_kernels import CpuKernelOps, head_dim_unsupported, linear_unusable_reason
 from engine.model.cuda_graphs import (
     Capture,
@@ -186,6 +186,8 @@ class TorchBackend(BackendDefaults):
         self.model.fused = fused_layers(self.model) if self.shard is None else None  # one call has no all-reduce
         if self.model.fused is not None:
             self.kernel_reason += "; decoder layers: one C++ call a step"
+        elif self.attention == "cpu" and self.shard is None and (why := loop_reason(self.model)):
+            self.kernel_reason += f"; decoder layers: Python loop ({why})"
 
     def _default_probe(self, capacity: int | None) -> MemoryProbe:
         """telemetry's probe for this device, told what the weights and the KV pool hold at rest."""

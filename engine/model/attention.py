@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.attention_metadata import AttentionMetadata, KVCache, key_blocks
+from engine.model.attention_metadata import AttentionMetadata, AttentionSpec, KVCache, key_blocks, windowed
 from engine.model.cpu_kernels import cpu_paged_attention
 from engine.model.triton_decode import paged_decode_attention
 
@@ -81,24 +81,32 @@ def build_attention_metadata(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata | DecodeGraphMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    meta: AttentionMetadata | DecodeGraphMetadata,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """q [T, H, hd], k/v [T, KVH, hd] for the new tokens (RoPE applied). Writes k/v into their slots, then
-    returns attention output [T, H, hd]: each token attends causally to its sequence's cached context."""
+    returns attention output [T, H, hd]: each token attends causally to its sequence's cached context (the
+    last `spec.window` keys of it in a sliding layer)."""
     if meta.backend == "cpu":  # writes k/v itself
-        return cpu_paged_attention(q, k, v, kv_cache, meta)
+        return cpu_paged_attention(q, k, v, kv_cache, meta, spec)
     k_cache, v_cache = kv_cache
     # (block, offset) rather than a flat view: a pool in CUDA virtual memory (engine/core/kv/vmm.py) strides its blocks
     where = (meta.slot_mapping // k_cache.shape[1], meta.slot_mapping % k_cache.shape[1])
     k_cache.index_put_(where, k)
     v_cache.index_put_(where, v)
     if meta.backend == "flash":
-        return _flash(q, kv_cache, meta)
+        return _flash(q, kv_cache, meta, spec)
     if meta.backend == "flash_decode":
-        return _flash_decode(q, kv_cache, meta)
+        return _flash_decode(q, kv_cache, meta, spec)
     if meta.backend == "triton_decode":
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
-    return _sdpa(q, kv_cache, meta)
+        if spec.window is not None or spec.softcap is not None:
+            raise ValueError("the Triton decode kernel has no sliding window or soft-capping (cuda_graphs.py)")
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, spec.scale)
+    return _sdpa(q, kv_cache, meta, spec)
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -112,22 +120,32 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    mask: torch.Tensor,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """q [B, KVH, M, hd] contiguous: each KV head's query rows, M = group * R with row g * R + r for query
     head g of token r; tables [B, blocks]; mask [B, R, keys], True where token r sees a key. Returns
-    [B, KVH, M, hd]. Scores in the model dtype, softmax in fp32, as HF's eager attention does."""
+    [B, KVH, M, hd]. Scores in the model dtype, soft-capped and softmaxed in fp32, as HF's eager attention
+    does."""
     # V stays [L, hd]: torch's bf16 matmul is faster on V as [hd, L] (transposed), but that kernel
     # rounds a row differently depending on how many rows come with it, which would break invariance.
     keys, values = _gather(k_cache, tables), _gather(v_cache, tables)
     b, kvh, m, _ = q.shape
-    scores = (torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5).float()
+    scores = (torch.matmul(q, keys.transpose(-1, -2)) * spec.scale).float()
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if spec.window is not None:
+        mask = windowed(mask, spec.window)
     r = mask.shape[1]
     scores.view(b, kvh, m // r, r, -1).masked_fill_(~mask[:, None, None], float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
 
 
-def _sdpa(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
     k_cache, v_cache = kv_cache
     kvh, hd = k_cache.shape[2:]
     heads = q.shape[1]
@@ -137,32 +155,39 @@ def _sdpa(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.
         rows, tables, mask = plan
         b = tables.shape[0]
         qd = q.reshape(b, kvh, group, hd) if rows is None else q.index_select(0, rows).view(b, kvh, group, hd)
-        o = _attend(qd, k_cache, v_cache, tables, mask[:, None]).view(b, heads, hd)
+        o = _attend(qd, k_cache, v_cache, tables, mask[:, None], spec).view(b, heads, hd)
         if rows is None:  # a decode-only step
             return o
         out.index_copy_(0, rows, o)
     for start, n, tables, causal in meta.prefill_plan:
         # [n, H, hd] -> [1, KVH, group * n, hd]: row g * n + j is query head (kv, g) of token j
         qs = q[start : start + n].view(n, kvh, group, hd).permute(1, 2, 0, 3).reshape(1, kvh, group * n, hd)
-        o = _attend(qs, k_cache, v_cache, tables, causal[None])
+        o = _attend(qs, k_cache, v_cache, tables, causal[None], spec)
         out[start : start + n] = o.view(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
     return out
 
 
-def _flash(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+def _flash_options(spec: AttentionSpec) -> dict[str, object]:
+    """flash-attn's arguments for a layer's spec: its window counts the keys before the token's own."""
+    window = (-1, -1) if spec.window is None else (spec.window - 1, 0)
+    return {"softmax_scale": spec.scale, "window_size": window, "softcap": spec.softcap or 0.0}
+
+
+def _flash(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func  # CUDA-only dependency, imported when used
 
     k_cache, v_cache = kv_cache
-    return flash_attn_varlen_func(q, k_cache, v_cache, causal=True, **meta.flash_args)
+    return flash_attn_varlen_func(q, k_cache, v_cache, causal=True, **meta.flash_args, **_flash_options(spec))
 
 
-def _flash_decode(q: torch.Tensor, kv_cache: KVCache, meta: DecodeGraphMetadata) -> torch.Tensor:
+def _flash_decode(q: torch.Tensor, kv_cache: KVCache, meta: DecodeGraphMetadata, spec: AttentionSpec) -> torch.Tensor:
     """One new token per sequence, every length read on the device (`cache_seqlens`), so the launch is the
     same whatever the step's contexts: what a captured CUDA graph needs (engine/model/cuda_graphs.py)."""
     from flash_attn import flash_attn_with_kvcache
 
     k_cache, v_cache = kv_cache
     out = flash_attn_with_kvcache(
-        q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables, causal=True
-    )
+        q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens, block_table=meta.block_tables, causal=True,
+        **_flash_options(spec),
+    )  # fmt: skip
     return out.squeeze(1)

@@ -21,6 +21,22 @@ QUERY_CHUNK = 256
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer attends, beyond causally over its sequence: what sets the families' layers apart
+    (engine/model/model_config.py)."""
+
+    scale: float  # the scores' factor
+    window: int | None = None  # keys a token sees, itself included (a sliding layer); None: all before it
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap) before the softmax
+
+
+def windowed(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A mask whose rows each see a prefix of the keys, cut to the last `window` keys of that prefix."""
+    first = mask.sum(-1, keepdim=True) - window
+    return mask & (torch.arange(mask.shape[-1], device=mask.device) >= first)
+
+
 def key_blocks(context_len: int, block_size: int) -> int:
     """Blocks the sdpa kernel reads for a context: enough for it, rounded up to whole KEY_ALIGNs."""
     align = max(1, KEY_ALIGN // block_size)

@@ -1,6 +1,8 @@
 """The decoder layers of a step as one C++ call (engine/model/csrc/forward.cpp), where every op of a layer
 already runs on Headroom's CPU kernels: the same kernels in the same order, so the same bits, without the
-Python between them (nine calls a layer; at one decode stream about a quarter of the step).
+Python between them (nine calls a layer; at one decode stream about a quarter of the step). Every dense family
+runs so (engine/model/model_config.py: biases, head norms, sandwich norms, GeGLU, windows, soft-capping, a
+second RoPE table); a mixture of experts stays in the Python loop, whose routing is torch's.
 
 It runs where the backend put the model on the C++ kernels (`CpuKernelOps`) and every linear is packed for
 one of its linear kernels (a bf16 or fp32 `PackedLinear`, or quantized bytes); elsewhere `fused_layers` is None and
@@ -23,8 +25,27 @@ if TYPE_CHECKING:
     from engine.model.llama import LlamaModel
 
 _I64 = ("tokens", "hidden", "q_size", "kv_size", "heads", "kv_heads", "head_dim", "inter", "block_size", "layers")
-_POINTERS = ("positions", "cos", "sin", "slots", "tables", "token_seq", "token_ctx", "weights", "kinds")
+_POINTERS = ("positions", "cos", "sin", "cos_local", "sin_local", "slots", "tables", "token_seq", "token_ctx", "layer")
 SCRATCH = ("x", "delta", "h", "qkv", "attn", "proj", "gate_up", "act")
+# a layer's weights in forward.cpp's `Layer`: the norms every family has, its packed linears, then the weights
+# only some families have (DecoderLayer's attributes, None where absent)
+NORMS = ("attn_norm", "mlp_norm")
+LINEARS = ("qkv", "o", "gate_up", "down")
+OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+ACTIVATIONS = ("silu", "gelu_tanh")  # Step.gelu: the index here
+
+
+class Layer(ctypes.Structure):
+    """forward.cpp's `Layer`, field for field."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in (*NORMS, *LINEARS, *OPTIONAL, "k_cache", "v_cache")),
+        ("kinds", ctypes.c_int32 * len(LINEARS)),
+        ("window", ctypes.c_int32),
+        ("local", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+    ]
 
 
 class Step(ctypes.Structure):
@@ -33,9 +54,9 @@ class Step(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int64) for name in (*_I64, "table_row")),
         ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
         ("bf16", ctypes.c_int32),
         ("threads", ctypes.c_int32),
+        ("gelu", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in (*_POINTERS, *SCRATCH)),
     ]
 
@@ -50,8 +71,14 @@ def linear_kind(weight: object) -> int | None:
     return None
 
 
+def _address(weight: torch.Tensor | PackedLinear | None) -> int | None:
+    if weight is None:
+        return None
+    return (weight.blocks if isinstance(weight, PackedLinear) else weight).data_ptr()
+
+
 class FusedLayers:
-    def __init__(self, model: LlamaModel, kinds: list[list[int]]) -> None:
+    def __init__(self, model: LlamaModel) -> None:
         cfg = model.cfg
         self.model = model
         hd = cfg.head_dim
@@ -65,41 +92,58 @@ class FusedLayers:
             "delta": hidden, "h": hidden, "qkv": q_size + 2 * self.dims["kv_size"], "attn": q_size, "proj": hidden,
             "gate_up": 2 * inter, "act": inter,
         }  # fmt: skip
-        self.kinds = torch.tensor(kinds, dtype=torch.int32)
-        self.weights = torch.zeros((cfg.num_layers, 8), dtype=torch.int64)
-        for i, layer in enumerate(model.layers):
-            linears = [w.blocks if isinstance(w, PackedLinear) else w for w in layer.packed or ()]
-            self.weights[i, :6] = torch.tensor([t.data_ptr() for t in (layer.attn_norm, layer.mlp_norm, *linears)])
+        self.gelu = ACTIVATIONS.index(cfg.activation)
+        self.layers = (Layer * cfg.num_layers)()
+        for layer, decoder in zip(self.layers, model.layers, strict=True):
+            weights = (decoder.attn_norm, decoder.mlp_norm, *decoder.packed, *(getattr(decoder, n) for n in OPTIONAL))
+            for name, weight in zip((*NORMS, *LINEARS, *OPTIONAL), weights, strict=True):
+                setattr(layer, name, _address(weight))
+            layer.kinds[:] = [linear_kind(w) for w in decoder.packed]
+            spec = decoder.spec
+            layer.window, layer.local = spec.window or 0, decoder.local_rope
+            layer.scale, layer.softcap = spec.scale, spec.softcap or 0.0
 
     def __call__(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], kv_caches: list[KVCache], meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        ropes: tuple[tuple[torch.Tensor, ...], ...],
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D], the embeddings (updated in place into the residual stream). Returns (x, delta) as the
-        Python loop leaves them for the final norm."""
-        cos, sin, positions = rope
+        """x [T, D], the embeddings (updated in place into the residual stream); ropes: the global and the local
+        tables' `rope_state`s. Returns (x, delta) as the Python loop leaves them for the final norm."""
+        (cos, sin, positions), (cos_local, sin_local, _) = ropes
         tokens = x.shape[0]
-        self.weights[:, 6:] = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in kv_caches])
+        for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
+            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
         scratch = {name: torch.empty((tokens, width), dtype=x.dtype) for name, width in self.widths.items()}
         token_seq, token_ctx = meta.token_plan
         tables = meta.block_tables
         step = Step(
             tokens=tokens, block_size=meta.block_size, table_row=tables.stride(0), eps=self.model.cfg.rms_norm_eps,
-            scale=self.dims["head_dim"] ** -0.5, bf16=x.dtype == torch.bfloat16, threads=torch.get_num_threads(),
-            positions=positions.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr(),
-            tables=tables.data_ptr(), token_seq=token_seq.data_ptr(), token_ctx=token_ctx.data_ptr(),
-            weights=self.weights.data_ptr(), kinds=self.kinds.data_ptr(), x=x.data_ptr(),
-            **self.dims, **{name: t.data_ptr() for name, t in scratch.items()},
+            bf16=x.dtype == torch.bfloat16, threads=torch.get_num_threads(), gelu=self.gelu,
+            positions=positions.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), cos_local=cos_local.data_ptr(),
+            sin_local=sin_local.data_ptr(), slots=meta.slot_mapping.data_ptr(), tables=tables.data_ptr(),
+            token_seq=token_seq.data_ptr(), token_ctx=token_ctx.data_ptr(), layer=ctypes.addressof(self.layers),
+            x=x.data_ptr(), **self.dims, **{name: t.data_ptr() for name, t in scratch.items()},
         )  # fmt: skip
         load_library().library.headroom_decoder_layers(ctypes.byref(step))  # type: ignore[union-attr]
         return x, scratch["delta"]
 
 
+def loop_reason(model: LlamaModel) -> str | None:
+    """Why the layers stay in the Python loop although the model's ops are on the C++ kernels; None where
+    they need not."""
+    if any(layer.moe for layer in model.layers):
+        return "mixture-of-experts layers"
+    if any(linear_kind(w) is None for layer in model.layers for w in layer.packed or (None,)):
+        return "a linear on torch"
+    return None
+
+
 def fused_layers(model: LlamaModel) -> FusedLayers | None:
-    """The one-call layers where the model's ops are the C++ kernels and every linear is packed for one of
-    them (after `pack_linears`); else None."""
-    if not isinstance(model.ops, CpuKernelOps) or load_library().library is None:
+    """The one-call layers where the model's ops are the C++ kernels, no layer is a mixture of experts and
+    every linear is packed for one of the kernels (after `pack_linears`); else None."""
+    if not isinstance(model.ops, CpuKernelOps) or load_library().library is None or loop_reason(model):
         return None
-    kinds = [[linear_kind(w) for w in layer.packed or (None,)] for layer in model.layers]
-    if any(k is None for row in kinds for k in row):
-        return None
-    return FusedLayers(model, kinds)  # type: ignore[arg-type]
+    return FusedLayers(model)

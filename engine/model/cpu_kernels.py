@@ -1,6 +1,6 @@
-"""Headroom's CPU kernels (engine/model/csrc/): paged attention, RMSNorm with its residual add, RoPE, SiLU-mul, the
-sampler's plain inverse-CDF draw, the bf16 linears on AVX512-BF16, the fp32 ones on AVX2, and the quantized
-ones (engine/model/quant.py).
+"""Headroom's CPU kernels (engine/model/csrc/): paged attention, RMSNorm with its residual add, RoPE, SiLU-mul and
+GELU-mul, the sampler's plain inverse-CDF draw, the bf16 linears on AVX512-BF16, the fp32 ones on AVX2, and the
+quantized ones (engine/model/quant.py).
 
 Why compile at run time: the kernels are built with `-march=native`, so they use the vector units of the CPU
 they run on (AVX-512, AVX2, NEON) and the wheel ships no binary per CPU. The sources are plain C++ with no
@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,7 +38,7 @@ from engine.model.dtype_choice import isa_cap, read_cpu_facts
 from engine.model.quant import packed_shape
 
 if TYPE_CHECKING:
-    from engine.model.attention_metadata import AttentionMetadata, KVCache
+    from engine.model.attention_metadata import AttentionMetadata, AttentionSpec, KVCache
 
 CSRC = Path(__file__).with_name("csrc")
 # in CSRC
@@ -57,11 +58,13 @@ logger = logging.getLogger("headroom.cpu_kernels")
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "headroom_paged_attention": [
-        _i32, _p, _i64, _p, _i64, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32, _f32, _p, _i32
+        _i32, _p, _i64, _p, _i64, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32, _f32, _i32,
+        _f32, _p, _i32
     ],
     "headroom_rms_norm": [_i32, _p, _p, _p, _p, _p, _i64, _i32, _f32, _i32],
     "headroom_rope": [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p, _i32],
     "headroom_silu_mul": [_i32, _p, _p, _i64, _i32, _i32],
+    "headroom_gelu_tanh_mul": [_i32, _p, _p, _i64, _i32, _i32],
     "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
     "headroom_linear_bf16": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
     "headroom_linear_available": [],
@@ -175,7 +178,7 @@ def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, spec: AttentionSpec
 ) -> torch.Tensor:
     """engine/model/attention.py `paged_attention` on the C++ kernel: writes k/v into their slots and attends."""
     k_cache, v_cache = kv_cache
@@ -188,7 +191,7 @@ def cpu_paged_attention(
         q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         token_seq.data_ptr(), token_ctx.data_ptr(), tokens, heads, k_cache.shape[2], head_dim, meta.block_size,
-        head_dim**-0.5, out.data_ptr(), torch.get_num_threads(),
+        spec.scale, spec.window or 0, spec.softcap or 0.0, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -224,13 +227,19 @@ class CpuKernelOps:
         return qk
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate_up = gate_up.contiguous()
-        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = gate_up.new_empty((rows, width))
-        _lib().headroom_silu_mul(
-            gate_up.dtype == torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads()
-        )
-        return out
+        return _gated_mul(_lib().headroom_silu_mul, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return _gated_mul(_lib().headroom_gelu_tanh_mul, gate_up)
+
+
+def _gated_mul(kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
+    """activation(gate) * up for gate_up [T, 2F] (gate first) on one of the gated-MLP kernels."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, width))
+    kernel(gate_up.dtype == torch.bfloat16, gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+    return out
 
 
 def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

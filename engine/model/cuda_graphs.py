@@ -74,6 +74,8 @@ def decode_graph_kernel(
         return None, eager
     if attention == "flash":
         return "flash_decode", "flash-attn's paged decode"
+    if cfg.sliding_layers or cfg.attn_softcap is not None:
+        return None, "flash-attn absent, and Triton's paged decode has no sliding window or soft-capping"
     blocker = triton_unusable_reason(device, cfg.head_dim, block_size)
     return (None, blocker) if blocker else ("triton_decode", "flash-attn absent: Triton's paged decode")
 

@@ -1,4 +1,7 @@
-"""Llama in plain torch, over a flattened ragged batch and a paged KV cache.
+"""The decoder in plain torch, over a flattened ragged batch and a paged KV cache: Llama, and the families
+that differ from it only in data (engine/model/model_config.py, engine/model/families.py): biases on q/k/v, norms
+on each head of q and k, norms after attention and MLP, GeGLU, soft-capping, sliding-window layers with a
+RoPE base of their own, and a mixture of experts in place of the MLP.
 
 Weights use HF's layout and RoPE convention (rotate_half); q/k/v and gate/up are fused into one matmul
 each, which on CPU saves more time than anything else at small batch.
@@ -6,7 +9,6 @@ each, which on CPU saves more time than anything else at small batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -14,39 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import quant
 from engine.model.attention import paged_attention
-from engine.model.attention_metadata import AttentionMetadata, KVCache
+from engine.model.attention_metadata import AttentionMetadata, AttentionSpec, KVCache
 from engine.model.batch_invariance import linear_weight, padded_linear
+from engine.model.checkpoint import assign, load_hf_weights
 from engine.model.cpu_kernels import cpu_qembedding
 from engine.model.model_config import ModelConfig
 from engine.model.quant import RawQuant, is_packed, packed_shape
+from engine.model.rope import rope_tables
 
 if TYPE_CHECKING:
     from engine.model.cpu_kernels import CpuKernelOps, PackedLinear
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with HF's rope scaling applied."""
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq.float()
-    if kind == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    if kind == "freq_factors":
-        return (inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)).float()
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}: only llama3 and linear are implemented")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled).float()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +66,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's GeGLU (HF's gelu_pytorch_tanh)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 def _whole(x: torch.Tensor) -> torch.Tensor:
     """On one device a projection's output is already whole."""
@@ -96,24 +81,62 @@ def _param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Pa
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _maybe(present: bool, *shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter | None:
+    """A weight only some families have: None where this one has none."""
+    return _param(*shape, dtype=dtype, device=device) if present else None
+
+
+def activation_mul(ops: TorchOps | CpuKernelOps, kind: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation of the gate times the up projection."""
+    if kind == "silu":
+        return ops.silu_mul(gate_up)
+    if kind == "gelu_tanh":
+        return ops.gelu_tanh_mul(gate_up)
+    raise ValueError(f"unknown activation {kind!r}")
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: str | torch.device) -> None:
         super().__init__()
         self.cfg = cfg
         d, hd = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.spec = AttentionSpec(cfg.scale, cfg.window(index), cfg.attn_softcap)
+        self.local_rope = cfg.local_rope_theta is not None and index in cfg.sliding_layers
+        self.moe = index in cfg.moe_layers
         self.attn_norm = _param(d, dtype=dtype, device=device)
         self.wqkv = _param(self.q_size + 2 * self.kv_size, d, dtype=dtype, device=device)
+        self.qkv_bias = _maybe(cfg.attention_bias, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
+        self.q_norm = _maybe(cfg.qk_norm, hd, dtype=dtype, device=device)
+        self.k_norm = _maybe(cfg.qk_norm, hd, dtype=dtype, device=device)
         self.wo = _param(d, self.q_size, dtype=dtype, device=device)
+        self.post_attn_norm = _maybe(cfg.sandwich_norms, d, dtype=dtype, device=device)
         self.mlp_norm = _param(d, dtype=dtype, device=device)
-        self.w_gate_up = _param(2 * cfg.intermediate_size, d, dtype=dtype, device=device)
-        self.w_down = _param(d, cfg.intermediate_size, dtype=dtype, device=device)
+        f, e = cfg.intermediate_size, cfg.num_experts
+        self.w_gate_up = _maybe(not self.moe, 2 * f, d, dtype=dtype, device=device)
+        self.w_down = _maybe(not self.moe, d, f, dtype=dtype, device=device)
+        self.router = _maybe(self.moe, e, d, dtype=dtype, device=device)
+        self.experts_gate_up = _maybe(self.moe, e, 2 * cfg.moe_intermediate_size, d, dtype=dtype, device=device)
+        self.experts_down = _maybe(self.moe, e, d, cfg.moe_intermediate_size, dtype=dtype, device=device)
+        self.post_mlp_norm = _maybe(cfg.sandwich_norms, d, dtype=dtype, device=device)
         self.packed: tuple[torch.Tensor | PackedLinear, ...] | None = None  # pack_linears(): what the forward runs
+        self.packed_experts: list[tuple[torch.Tensor | PackedLinear, torch.Tensor | PackedLinear]] = []
+
+    def linears(self) -> list[torch.Tensor]:
+        """The matrices the layer multiplies by (an MoE layer's router and experts' gate/up and down)."""
+        if self.moe:
+            assert self.router is not None and self.experts_gate_up is not None and self.experts_down is not None
+            return [self.wqkv, self.wo, self.router, *self.experts_gate_up, *self.experts_down]
+        assert self.w_gate_up is not None and self.w_down is not None
+        return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
 
     def pack_linears(self, cpu_kernel: bool) -> None:
         """Run the linears on weights packed for their kernel (engine/model/batch_invariance.py `linear_weight`)."""
-        weights = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        self.packed = tuple(linear_weight(w.detach(), cpu_kernel) for w in weights)
+        packed = [linear_weight(w.detach(), cpu_kernel) for w in self.linears()]
+        self.packed = tuple(packed[:4]) if not self.moe else tuple(packed[:3])
+        if self.moe:
+            e = self.cfg.num_experts
+            self.packed_experts = list(zip(packed[3 : 3 + e], packed[3 + e :], strict=True))
 
     def forward(
         self,
@@ -128,21 +151,66 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream; delta: the previous layer's MLP output, still to be added to it (None for
         the first layer), so the add runs inside the norm. Returns this layer's (x, delta).
-        min_rows: every linear runs over at least this many rows (LlamaModel.linear_min_rows). reduce: makes a
-        row-parallel projection's partial sum whole (LlamaModel.reduce)."""
+        rope: this layer's table's `rope_state`. min_rows: every linear runs over at least this many rows
+        (LlamaModel.linear_min_rows). reduce: makes a row-parallel projection's partial sum whole
+        (LlamaModel.reduce)."""
         cfg, t = self.cfg, x.shape[0]
-        wqkv, wo, w_gate_up, w_down = self.packed or (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        wqkv, wo, *mlp = self.packed or self.linears()[:4]
         h, x = ops.rms_norm(x, self.attn_norm, cfg.rms_norm_eps, delta)
         qkv = padded_linear(h, wqkv, min_rows)
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
         # q and k heads are adjacent in the fused output: rotate them with one set of ops
         qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = self._head_norms(qk, ops)
         qk = ops.rope(qk, rope)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-        o = paged_attention(q, k, v, kv_cache, meta)
+        o = paged_attention(q, k, v, kv_cache, meta, self.spec)
         attn = reduce(padded_linear(o.view(t, self.q_size), wo, min_rows))
+        if self.post_attn_norm is not None:
+            attn = ops.rms_norm(attn, self.post_attn_norm, cfg.rms_norm_eps)[0]
         h, x = ops.rms_norm(attn, self.mlp_norm, cfg.rms_norm_eps, x)
-        return x, reduce(padded_linear(ops.silu_mul(padded_linear(h, w_gate_up, min_rows)), w_down, min_rows))
+        if self.moe:
+            out = self._experts(h, ops, min_rows)
+        else:
+            w_gate_up, w_down = mlp
+            act = activation_mul(ops, cfg.activation, padded_linear(h, w_gate_up, min_rows))
+            out = padded_linear(act, w_down, min_rows)
+        out = reduce(out)
+        if self.post_mlp_norm is not None:
+            out = ops.rms_norm(out, self.post_mlp_norm, cfg.rms_norm_eps)[0]
+        return x, out
+
+    def _head_norms(self, qk: torch.Tensor, ops: TorchOps | CpuKernelOps) -> torch.Tensor:
+        """Qwen3's and Gemma 3's RMSNorm over each head of q (its weight) and of k (its own), as a fresh
+        [T, heads, head_dim] (the C++ rope rotates in place: it must not write into qkv's v)."""
+        t, heads, hd = qk.shape
+        eps, q_heads = self.cfg.rms_norm_eps, self.cfg.num_heads
+        q = ops.rms_norm(qk[:, :q_heads].reshape(-1, hd), self.q_norm, eps)[0]
+        k = ops.rms_norm(qk[:, q_heads:].reshape(-1, hd), self.k_norm, eps)[0]
+        return torch.cat((q.view(t, q_heads, hd), k.view(t, heads - q_heads, hd)), dim=1)
+
+    def _experts(self, h: torch.Tensor, ops: TorchOps | CpuKernelOps, min_rows: int) -> torch.Tensor:
+        """Qwen3-MoE's sparse MLP: each token's top experts by the router's softmax, each expert run over the
+        tokens routed to it, their outputs weighted and summed. The experts are taken in index order, so a
+        token's sum is added in the same order whatever else the batch holds."""
+        cfg = self.cfg
+        router = self.packed[2] if self.packed is not None else self.router
+        probs = torch.softmax(padded_linear(h, router, min_rows).float(), dim=-1)
+        weights, chosen = probs.topk(cfg.experts_per_token, dim=-1)
+        if cfg.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype)
+        experts = self.packed_experts or list(zip(self.experts_gate_up, self.experts_down, strict=True))
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            gate_up, down = experts[e]
+            act = activation_mul(ops, cfg.activation, padded_linear(h[rows], gate_up, min_rows))
+            out.index_add_(0, rows, padded_linear(act, down, min_rows) * weights[rows, slot, None])
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -164,7 +232,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             self.embed
@@ -172,11 +240,15 @@ class LlamaModel(nn.Module):
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.packed_head: torch.Tensor | PackedLinear | None = None
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
-        angles = torch.cat((freqs, freqs), dim=-1)
-        # [max_pos, 1, head_dim] in the model dtype, broadcast over heads (HF casts cos/sin the same way)
-        self.register_buffer("rope_cos", angles.cos()[:, None, :].to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("rope_sin", angles.sin()[:, None, :].to(dtype=dtype, device=device), persistent=False)
+        # [max_pos, 1, head_dim] in the model dtype, broadcast over heads (HF casts cos/sin the same way); Gemma 3's
+        # sliding layers have tables of their own
+        cos, sin = rope_tables(cfg)[:, :, None, :].to(dtype=dtype, device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cfg.local_rope_theta is not None:
+            local = rope_tables(cfg, cfg.local_rope_theta, {})[:, :, None, :].to(dtype=dtype, device=device)
+            self.rope_local = (local[0], local[1])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -198,7 +270,7 @@ class LlamaModel(nn.Module):
 
     def _linears(self) -> list[torch.Tensor]:
         head = [] if self.lm_head is None else [self.lm_head]  # None: a tensor-parallel rank that never samples
-        return [*head, *(w for x in self.layers for w in (x.wqkv, x.wo, x.w_gate_up, x.w_down))]
+        return [*head, *(w for x in self.layers for w in x.linears())]
 
     def forward(
         self,
@@ -212,12 +284,16 @@ class LlamaModel(nn.Module):
             x, delta = cpu_qembedding(input_ids, self.embed, self.dtype), None
         else:
             x, delta = F.embedding(input_ids, self.embed), None
+        if self.cfg.embed_scale != 1.0:  # Gemma's, rounded to the model dtype as HF rounds it
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope = self.ops.rope_state(self.rope_cos, self.rope_sin, positions)
+        local = rope if self.rope_local is None else self.ops.rope_state(*self.rope_local, positions)
         if self.fused is not None and meta.backend == "cpu":  # the C++ paged kernel's metadata (not a graph's)
-            x, delta = self.fused(x, rope, kv_caches, meta)
+            x, delta = self.fused(x, (rope, local), kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, delta = layer(x, delta, rope, kv_cache, meta, self.ops, self.linear_min_rows, self.reduce)
+                r = local if layer.local_rope else rope
+                x, delta = layer(x, delta, r, kv_cache, meta, self.ops, self.linear_min_rows, self.reduce)
         return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, delta)[0]
 
     def linear_shapes(self) -> list[tuple[int, int]]:
@@ -229,7 +305,10 @@ class LlamaModel(nn.Module):
         """hidden [S, D] for the rows that sample only (a prompt's other rows never reach the vocab matmul,
         the largest one in a small model). Returns float32 [S, V]."""
         head = self.lm_head if self.packed_head is None else self.packed_head
-        return padded_linear(hidden, head, self.linear_min_rows).float()
+        logits = padded_linear(hidden, head, self.linear_min_rows).float()
+        if self.cfg.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
 
     def pack_linears(self, cpu_kernel: bool = False) -> None:
         """Pack every linear's weight for its kernel, once the weights are loaded: the unpacked parameters
@@ -240,37 +319,8 @@ class LlamaModel(nn.Module):
         self.packed_head = None if self.lm_head is None else linear_weight(self.lm_head.detach(), cpu_kernel)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor | RawQuant], quantization: str | None = None) -> None:
-        """Copy HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused layout. The
-        dict is consumed, so each source tensor can be freed once copied. `quantization` (engine/model/quant.py):
-        None, float weights; AS_SHIPPED, the linears and embedding that ship quantized stay so; a type, every
-        linear and the embedding in it. A quantized weight replaces its float parameter with its packed bytes."""
-
-        def take(*names: str) -> torch.Tensor:
-            try:
-                return _fused([weights.pop(n) for n in names], quantization)
-            except KeyError as e:
-                raise KeyError(f"checkpoint is missing {e.args[0]}") from None
-
-        with torch.no_grad():
-            _assign(self, "embed", take("model.embed_tokens.weight"))
-            _assign(self, "norm", take("model.norm.weight"))
-            if not self.cfg.tie_word_embeddings:
-                _assign(self, "lm_head", take("lm_head.weight"))
-            weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
-            for i, layer in enumerate(self.layers):
-                n = f"model.layers.{i}."
-                attn, mlp = n + "self_attn.", n + "mlp."
-                _assign(layer, "attn_norm", take(n + "input_layernorm.weight"))
-                _assign(layer, "mlp_norm", take(n + "post_attention_layernorm.weight"))
-                _assign(layer, "wqkv", take(*(f"{attn}{x}_proj.weight" for x in "qkv")))
-                _assign(layer, "wo", take(attn + "o_proj.weight"))
-                _assign(layer, "w_gate_up", take(mlp + "gate_proj.weight", mlp + "up_proj.weight"))
-                _assign(layer, "w_down", take(mlp + "down_proj.weight"))
-        if self.cfg.tie_word_embeddings:
-            self.lm_head = self.embed
-        unused = [n for n in weights if not n.endswith("rotary_emb.inv_freq")]
-        if unused:
-            raise ValueError(f"checkpoint has weights this Llama does not use: {unused[:5]}")
+        """engine/model/checkpoint.py `load_hf_weights` into this model."""
+        load_hf_weights(self, weights, quantization)
 
     def prepared_weights(self) -> dict[str, torch.Tensor]:
         """The weights in this model's own layout (fused, in its dtype), each stored once (a tied lm_head is
@@ -297,35 +347,9 @@ class LlamaModel(nn.Module):
                 module, _, leaf = name.rpartition(".")
                 old = getattr(self.get_submodule(module), leaf, None)
                 if is_packed(w) and old is not None and tuple(old.shape) == packed_shape(w)[:2]:
-                    _assign(self.get_submodule(module), leaf, w)
+                    assign(self.get_submodule(module), leaf, w)
             self.load_state_dict(state, assign=True)
         except (RuntimeError, TypeError, AttributeError, KeyError) as e:  # missing, unexpected or misshapen weights
             raise ValueError(str(e)) from e
         if self.cfg.tie_word_embeddings:
             self.lm_head = self.embed
-
-
-def _fused(parts: list[torch.Tensor | RawQuant], quantization: str | None) -> torch.Tensor:
-    """One weight from its checkpoint parts (q/k/v, gate/up, or a single one): packed quantized bytes where
-    `quantization` asks for them (engine/model/quant.py), else the floats, dequantized where they ship quantized.
-    Parts that ship quantized in the asked type (or, AS_SHIPPED, in one type) are packed as they are. A matrix
-    whose outputs are not whole blocks of 16, or whose inputs are not whole blocks of 32, stays float (a
-    vocabulary of 32,001, say); so do the norms."""
-    kinds = {p.kind if isinstance(p, RawQuant) else None for p in parts}
-    (kind,) = kinds if len(kinds) == 1 else (None,)
-    rows = sum(p.data.shape[0] if isinstance(p, RawQuant) else p.shape[0] for p in parts)
-    if kind is not None and quantization in (quant.AS_SHIPPED, kind) and quant.packable(rows):
-        return quant.pack(quant.concat(parts))  # type: ignore[arg-type]
-    floats = torch.cat([torch.from_numpy(p.floats()) if isinstance(p, RawQuant) else p for p in parts])
-    blocks = floats.dim() == 2 and quant.packable(rows) and floats.shape[1] % quant.QK == 0
-    if quantization in quant.KINDS and blocks:
-        return quant.pack(quant.quantize(floats.float().numpy(), quantization))  # type: ignore[arg-type]
-    return floats
-
-
-def _assign(module: nn.Module, name: str, weight: torch.Tensor) -> None:
-    """Copy a float weight into its parameter (cast to its dtype); a packed one replaces the parameter."""
-    if is_packed(weight):
-        setattr(module, name, nn.Parameter(weight, requires_grad=False))
-    else:
-        getattr(module, name).copy_(weight)

@@ -91,6 +91,8 @@ def shard_model(model: LlamaModel, rank: int, size: int, reduce: Callable[[torch
         raise TensorParallelError(why)
     if model.quantized:
         raise TensorParallelError("tensor parallelism shards float weights; load the model with --quantization none")
+    if full.moe_layers:
+        raise TensorParallelError(f"tensor parallelism shards the dense families, not {full.architecture}'s experts")
     shard = sharded_config(full, size)
     hd = full.head_dim
     q_rows = _rows(range(rank * shard.num_heads, (rank + 1) * shard.num_heads), hd)
@@ -103,6 +105,8 @@ def shard_model(model: LlamaModel, rank: int, size: int, reduce: Callable[[torch
     with torch.no_grad():
         for layer in model.layers:
             layer.wqkv = _keep(layer.wqkv[q_rows + k_rows + v_rows])
+            if layer.qkv_bias is not None:  # Qwen2's: with its heads' rows (the head norms are per head, whole)
+                layer.qkv_bias = _keep(layer.qkv_bias[q_rows + k_rows + v_rows])
             layer.wo = _keep(layer.wo[:, q_rows])
             layer.w_gate_up = _keep(layer.w_gate_up[gate_up])
             layer.w_down = _keep(layer.w_down[:, mlp])

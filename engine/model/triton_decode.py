@@ -81,11 +81,16 @@ def _kernel() -> Any:
 
 
 def paged_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """q [B, H, D], one token per sequence, RoPE applied; caches [blocks, block_size, KVH, D] (any block stride);
     block_tables [B, W] int32; seq_lens [B] int32, keys each sequence attends to (its new token's included, already
-    written). Returns [B, H, D] in q's dtype."""
+    written); scale: the scores' factor. Returns [B, H, D] in q's dtype."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     b, heads, dim = q.shape
     kv_heads, block = k_cache.shape[2], k_cache.shape[1]
@@ -93,7 +98,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     launch: Callable[..., Any] = _kernel()[(b, kv_heads)]
     launch(
-        q, k_cache, v_cache, out, block_tables, seq_lens, dim**-0.5,
+        q, k_cache, v_cache, out, block_tables, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(1, 1 << (group - 1).bit_length()), BLOCK=block, DIM=dim,

@@ -18,6 +18,7 @@ from engine.core.kv.sizing import StartupProfilingError
 from engine.core.llm_engine import LLMEngine
 from engine.core.stats import FinishedRequest
 from engine.factory import build_engine
+from engine.model.families import UnsupportedModelError
 from engine.model.standin_tokenizer import StandInTokenizer
 from engine.model.tensor_parallel import TensorParallelError
 from engine.serving.app import create_app
@@ -156,7 +157,7 @@ def serve(ecfg: EngineConfig, scfg: ServerConfig) -> int:
     logging.basicConfig(level=scfg.log_level.upper(), format="[headroom] %(levelname)s %(message)s", stream=sys.stderr)
     try:
         app = build_app(ecfg, scfg)
-    except (StartupProfilingError, TensorParallelError) as e:  # a message, not a traceback
+    except (StartupProfilingError, TensorParallelError, UnsupportedModelError) as e:  # a message, not a traceback
         logger.error("%s", e)
         return 1
     config = uvicorn.Config(

@@ -1,4 +1,5 @@
-// Paged attention on the CPU for a flattened ragged batch, reading K and V from the paged cache in place.
+// Paged attention on the CPU for a flattened ragged batch, reading K and V from the paged cache in place, with
+// the families' variants: a scale of the layer's own, a sliding window, soft-capped scores.
 //
 // Why a kernel of our own: written in torch, attention has to gather every sequence's blocks into
 // contiguous copies padded to the batch's longest context and run many tiny matmuls on them, which on a
@@ -10,7 +11,9 @@
 // the same order whatever else the step holds (decodes, prefills, chunks, other sequences), and no
 // reduction depends on memory addresses or thread counts: dot products accumulate in 16 fixed lanes summed
 // in a fixed tree, softmax and the value sum run over keys in order. Scores, softmax and the weighted sum
-// of values are all in fp32; the output is rounded to the model dtype once.
+// of values are all in fp32; the output is rounded to the model dtype once. A sliding window only moves where
+// a token's keys start: its keys, and so its arithmetic, are still its own, and the blocks before the first
+// key a tile's tokens see are never read (a long context costs a sliding layer its window, not its length).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -48,6 +51,23 @@ inline float softmax_unnormalized(float* s, int n) {
     return sum;
 }
 
+// scores[0..n) become cap * tanh(score / cap), as Gemma 2 caps them before the softmax
+inline void soft_cap(float* s, int n, float cap) {
+    const int whole = n - n % LANES;
+    for (int j = 0; j < whole; j += LANES) store16(s + j, tanh_approx(load16(s + j) / cap) * cap);
+    for (int j = whole; j < n; ++j) s[j] = tanh_approx(s[j] / cap) * cap;
+}
+
+// How a layer attends (engine/model/attention_metadata.py AttentionSpec): window 0 and softcap 0 mean none.
+struct Spec {
+    float scale;
+    int window;
+    float softcap;
+};
+
+// The first key a token that sees `ctx` keys attends to (window 0: none).
+inline int first_key(int ctx, int window) { return window ? std::max(0, ctx - window) : 0; }
+
 template <typename T>
 void write_kv(const T* k, const T* v, int64_t k_row, int64_t v_row, const int64_t* slots, int64_t tokens,
               int kv_heads, int head_dim, T* k_cache, T* v_cache) {
@@ -69,20 +89,26 @@ struct Tile {
 // One work item: the `group` query heads that share KV head g, of a tile's tokens, over the keys of the
 // sequence's block table. For each (query row, key) the arithmetic is the same whatever the tile holds:
 // the score is one dot product (16 lanes, then sum16); each row's softmax runs over its own keys; each
-// output lane adds p * v over the keys in order. head_dim % LANES == 0 (the caller checks).
-template <typename T, int CHUNKS>  // CHUNKS: head_dim / LANES where known at compile time, else 0
+// output lane adds p * v over the keys in order. head_dim % LANES == 0 (the caller checks). Scores are kept
+// from `base` on, the start of the block of the first key the tile's first token (the one that sees the
+// fewest) attends to. WINDOW: whether the layer slides, known at compile time so that without a window every
+// row's keys start at 0 in the hot loops, as the compiler sees them.
+template <typename T, int CHUNKS, bool WINDOW>  // CHUNKS: head_dim / LANES where known at compile time, else 0
 void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* table,
                  const int32_t* ctx, int tokens, int g, int group, int kv_heads, int head_dim, int block_size,
-                 float scale, T* out, int64_t out_row, std::vector<f32x16>& qv, std::vector<f32x16>& acc,
+                 const Spec& spec, T* out, int64_t out_row, std::vector<f32x16>& qv, std::vector<f32x16>& acc,
                  std::vector<f32x16>& block, std::vector<float>& scores, std::vector<float>& total) {
     constexpr int MAX_CHUNKS = 16;  // head_dim <= 256
     const int chunks = CHUNKS ? CHUNKS : head_dim / LANES, rows = tokens * group;
     const int keys = ctx[tokens - 1];  // the tile's last token sees the most
+    const int window = WINDOW ? spec.window : 0;
+    const int base = first_key(ctx[0], window) / block_size * block_size, span = keys - base;
     const int64_t key_stride = int64_t(kv_heads) * head_dim;  // between consecutive keys of a block
+    const float scale = spec.scale;  // a local: the score stores cannot alias it
     qv.resize(size_t(rows) * chunks);
     acc.assign(size_t(rows) * chunks, f32x16{});
     block.resize(size_t(block_size) * chunks);
-    scores.resize(size_t(rows) * keys);
+    scores.resize(size_t(rows) * span);
     total.resize(rows);
     for (int i = 0; i < tokens; ++i)
         for (int r = 0; r < group; ++r)
@@ -93,13 +119,19 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
         for (int j = 0; j < n; ++j, p += key_stride)
             for (int c = 0; c < chunks; ++c) block[j * chunks + c] = load16(p + c * LANES);
     };
-    for (int first = 0; first < keys; first += block_size) {
+    // the row's keys within the block starting at `first`: [from, to) of it (empty where to <= from)
+    auto keys_in = [&](int row, int first, int& from, int& to) {
+        const int c = ctx[row / group];
+        from = std::max(first_key(c, window) - first, 0);
+        to = std::min(block_size, c - first);
+    };
+    for (int first = base; first < keys; first += block_size) {
         load_block(k_cache, first, std::min(block_size, keys - first));
         for (int row = 0; row < rows; ++row) {
-            const int n = std::min(block_size, ctx[row / group] - first);
+            int j, n;
+            keys_in(row, first, j, n);
             const f32x16* qr = &qv[size_t(row) * chunks];
-            float* s = &scores[size_t(row) * keys + first];
-            int j = 0;
+            float* s = &scores[size_t(row) * span + first - base];
             for (; j + 4 <= n; j += 4) {  // four keys at a time: independent FMA chains, the same sums
                 f32x16 p0 = {}, p1 = {}, p2 = {}, p3 = {};
                 for (int c = 0; c < chunks; ++c) {
@@ -120,16 +152,21 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
             }
         }
     }
-    for (int row = 0; row < rows; ++row)
-        total[row] = softmax_unnormalized(&scores[size_t(row) * keys], ctx[row / group]);
-    for (int first = 0; first < keys; first += block_size) {
+    for (int row = 0; row < rows; ++row) {
+        const int c = ctx[row / group], from = first_key(c, window);
+        float* s = &scores[size_t(row) * span + from - base];
+        if (spec.softcap) soft_cap(s, c - from, spec.softcap);
+        total[row] = softmax_unnormalized(s, c - from);
+    }
+    for (int first = base; first < keys; first += block_size) {
         load_block(v_cache, first, std::min(block_size, keys - first));
         for (int row = 0; row < rows; ++row) {
-            const int n = std::min(block_size, ctx[row / group] - first);
-            const float* p = &scores[size_t(row) * keys + first];
+            int from, n;
+            keys_in(row, first, from, n);
+            const float* p = &scores[size_t(row) * span + first - base];
             f32x16 a[MAX_CHUNKS];  // in registers when CHUNKS is known: one FMA chain per chunk, interleaved
             for (int c = 0; c < chunks; ++c) a[c] = acc[size_t(row) * chunks + c];
-            for (int j = 0; j < n; ++j)
+            for (int j = from; j < n; ++j)
                 for (int c = 0; c < chunks; ++c) a[c] += p[j] * block[j * chunks + c];
             for (int c = 0; c < chunks; ++c) acc[size_t(row) * chunks + c] = a[c];
         }
@@ -144,7 +181,7 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
 template <typename T, int CHUNKS>
 void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* tables,
             int64_t table_row, const int32_t* token_seq, const int32_t* token_ctx, int64_t tokens, int heads,
-            int kv_heads, int head_dim, int block_size, float scale, T* out, int threads) {
+            int kv_heads, int head_dim, int block_size, const Spec& spec, T* out, int threads) {
     std::vector<Tile> tiles;
     for (int64_t t = 0; t < tokens; ++t) {
         Tile* last = tiles.empty() ? nullptr : &tiles.back();
@@ -156,6 +193,7 @@ void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const
     }
     const int group = heads / kv_heads;
     const int64_t items = int64_t(tiles.size()) * kv_heads;
+    const auto tile_kernel = spec.window ? attend_tile<T, CHUNKS, true> : attend_tile<T, CHUNKS, false>;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<f32x16> qv, acc, block;
@@ -163,11 +201,10 @@ void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
             const Tile& tile = tiles[item / kv_heads];
-            attend_tile<T, CHUNKS>(q + tile.first * q_row, q_row, k_cache, v_cache,
-                                   tables + int64_t(token_seq[tile.first]) * table_row, token_ctx + tile.first,
-                                   tile.tokens, int(item % kv_heads), group, kv_heads, head_dim, block_size, scale,
-                                   out + tile.first * heads * head_dim, int64_t(heads) * head_dim, qv, acc, block,
-                                   scores, total);
+            tile_kernel(q + tile.first * q_row, q_row, k_cache, v_cache,
+                        tables + int64_t(token_seq[tile.first]) * table_row, token_ctx + tile.first, tile.tokens,
+                        int(item % kv_heads), group, kv_heads, head_dim, block_size, spec,
+                        out + tile.first * heads * head_dim, int64_t(heads) * head_dim, qv, acc, block, scores, total);
         }
     }
 }
@@ -179,13 +216,15 @@ extern "C" {
 // Write the step's new K and V into their cache slots, then attend: q [tokens, heads, head_dim] with row
 // stride q_row (elements), k and v [tokens, kv_heads, head_dim] with row strides k_row and v_row, heads
 // contiguous within a row, head_dim a multiple of 16 and at most 256 (the caller checks). Token t belongs to
-// block-table row token_seq[t] and sees the first token_ctx[t] keys of it. out: [tokens, heads, head_dim],
-// contiguous. bf16: 2-byte elements, else fp32.
+// block-table row token_seq[t] and sees the first token_ctx[t] keys of it, or with a `window` (0: none) the
+// last `window` of those. Scores are q.k * scale, then with a `softcap` (0: none) softcap * tanh(score /
+// softcap). out: [tokens, heads, head_dim], contiguous. bf16: 2-byte elements, else fp32.
 void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
                               int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
                               const int32_t* tables, int64_t table_row, const int32_t* token_seq,
                               const int32_t* token_ctx, int64_t tokens, int heads, int kv_heads, int head_dim,
-                              int block_size, float scale, void* out, int threads) {
+                              int block_size, float scale, int window, float softcap, void* out, int threads) {
+    const Spec spec{scale, window, softcap};
     with_element_type(bf16, [&](auto zero) {
         using T = decltype(zero);
         write_kv(static_cast<const T*>(k), static_cast<const T*>(v), k_row, v_row, slots, tokens, kv_heads,
@@ -193,7 +232,7 @@ void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void
         auto go = [&](auto chunks) {  // head sizes 64 and 128 unrolled, others at run time
             attend<T, decltype(chunks)::value>(static_cast<const T*>(q), q_row, static_cast<const T*>(k_cache),
                                                static_cast<const T*>(v_cache), tables, table_row, token_seq,
-                                               token_ctx, tokens, heads, kv_heads, head_dim, block_size, scale,
+                                               token_ctx, tokens, heads, kv_heads, head_dim, block_size, spec,
                                                static_cast<T*>(out), threads);
         };
         if (head_dim == 64)

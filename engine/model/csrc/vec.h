@@ -98,6 +98,11 @@ inline f32x16 exp_approx(f32x16 x) {
 // exp_approx of one float, through lane 0: a tail element gets the same bits as a vector lane would.
 inline float exp_approx(float x) { return exp_approx(splat(x))[0]; }
 
+// tanh(x) = 1 - 2 / (1 + exp(2x)), on exp_approx: saturates to +-1 where exp_approx does; near 0 it is off by
+// about one float step of 1, not of x: an absolute error, which soft-capped scores (cap * tanh) can take.
+inline f32x16 tanh_approx(f32x16 x) { return 1.0f - 2.0f / (1.0f + exp_approx(x + x)); }
+inline float tanh_approx(float x) { return tanh_approx(splat(x))[0]; }
+
 // Calls f with a value of the element type: uint16_t (bf16 bits) when `bf16`, else float. Each kernel's
 // extern "C" entry point casts its pointers once, inside f, instead of spelling out both types.
 template <typename F>

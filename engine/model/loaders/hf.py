@@ -11,32 +11,16 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.model.families import UnsupportedModelError, config_from_hf, hf_weights_as_llama
 from engine.model.model_config import ModelConfig
 from engine.model.tokenizer import Tokenizer, special_tokens_processor
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM"}
-
 
 def read_config(path: Path) -> ModelConfig:
-    c = json.loads((path / "config.json").read_text())
-    arch = c.get("architectures") or ["LlamaForCausalLM"]
-    if not SUPPORTED_ARCHITECTURES & set(arch):
-        raise ValueError(f"{path}: architecture {arch} is not supported, only LlamaForCausalLM")
-    heads = c["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_layers=c["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=c.get("rope_theta", 10000.0),
-        rope_scaling=c.get("rope_scaling"),
-        max_position_embeddings=c.get("max_position_embeddings", 2048),
-        tie_word_embeddings=c.get("tie_word_embeddings", False),
-    )
+    try:
+        return config_from_hf(json.loads((path / "config.json").read_text()))
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path}: {e}") from None
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -87,4 +71,6 @@ def read_tokenizer(path: Path) -> Tokenizer:
 
 def read_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     path = Path(path)
-    return read_config(path), read_weights(path), read_tokenizer(path)
+    config, weights = read_config(path), read_weights(path)
+    hf_weights_as_llama(config, weights)
+    return config, weights, read_tokenizer(path)

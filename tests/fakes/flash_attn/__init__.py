@@ -27,16 +27,29 @@ def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
         raise RuntimeError("block_table must have contiguous last dimension")
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """q [n, H, d] over keys/values [L, KVH, d]; causal aligned bottom-right, as flash-attn does."""
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """q [n, H, d] over keys/values [L, KVH, d]; causal aligned bottom-right, as flash-attn does; a query sees
+    `window_size[0]` keys before its own where that is not -1; softcap > 0 caps the scores with tanh."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).float()
     v = values.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
-    if causal:
-        n, length = q.shape[0], keys.shape[0]
-        allowed = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
-        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    n, length = q.shape[0], keys.shape[0]
+    key, query = torch.arange(length)[None, :], torch.arange(length - n, length)[:, None]
+    allowed = key <= query if causal else torch.ones(n, length, dtype=torch.bool)
+    if window_size[0] >= 0:
+        allowed &= key >= query - window_size[0]
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
 
 
@@ -74,7 +87,7 @@ def flash_attn_varlen_func(
     for i in range(len(qs) - 1):
         length = ks[i + 1] - ks[i]
         keys, values = _context(k, block_table[i], length), _context(v, block_table[i], length)
-        out[qs[i] : qs[i + 1]] = _attend(q[qs[i] : qs[i + 1]], keys, values, scale, causal)
+        out[qs[i] : qs[i + 1]] = _attend(q[qs[i] : qs[i + 1]], keys, values, scale, causal, window_size, softcap)
     return out
 
 
@@ -110,5 +123,5 @@ def flash_attn_with_kvcache(
     out = torch.empty_like(q)
     for i, length in enumerate(cache_seqlens.tolist()):
         keys, values = _context(k_cache, block_table[i], length), _context(v_cache, block_table[i], length)
-        out[i] = _attend(q[i], keys, values, scale, causal)
+        out[i] = _attend(q[i], keys, values, scale, causal, window_size, softcap)
     return out
