@@ -379,6 +379,13 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         300,
     ),
     Experiment(
+        "family_speed",
+        ("python -m bench.family_speed --rounds 10 --steps 32 --out {out}/family_speed.md",),
+        ("family_speed.md", "family_speed.json"),
+        "cpu",
+        600,
+    ),
+    Experiment(
         "reliability",
         ("python -m bench.reliability all --out {out}/reliability.md",),
         ("reliability.md",),
