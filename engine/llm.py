@@ -49,7 +49,7 @@ class LLM:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
             p = with_bad_words_tokenized(p, self.tokenizer)
             seqs.append(self.engine.add_request(str(self._next_id), ids, p))
-            self.processor.add_request(str(self._next_id), p)
+            self.processor.add_request(str(self._next_id), p, ids)
             self._next_id += 1
         texts = {seq.request_id: "" for seq in seqs}
         reasons: dict[str, str | None] = {}  # the processor's: a stop string the last token completed is "stop"

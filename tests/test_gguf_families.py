@@ -1,8 +1,9 @@
 """GGUFs of every family Headroom serves, written as llama.cpp's converter writes them (tests/gguf_families.py),
 against transformers' own model of the family (tests/tiny_families.py, float32):
 
-- from an F32 GGUF the config is the one the HF checkpoint gives (engine/model/families.py), and the prefill
-  logits through the paged cache are transformers';
+- from an F32 GGUF the config is the one the HF checkpoint gives (engine/model/families.py), the prefill
+  logits through the paged cache are transformers', and through the server `headroom serve` builds greedy
+  completions give transformers' tokens for 32 tokens, alone and eight at once;
 - from a Q8_0 GGUF the matrices run on their blocks (an MoE layer's experts dequantized), and transformers'
   greedy tokens stay the quantized model's (`test_a_q8_0_gguf_runs_quantized_and_keeps_the_greedy_tokens`
   says how close);
@@ -13,6 +14,7 @@ against transformers' own model of the family (tests/tiny_families.py, float32):
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -31,6 +33,8 @@ from engine.model.loaders.hf import read_config
 from tests.fixtures_llama import write
 from tests.gguf_families import build_as_gguf, save_family_gguf
 from tests.kernel_build import require_cpu_kernels
+from tests.test_model_families import PROMPTS, complete, served
+from tests.test_model_families import TOKENS as SERVED_TOKENS
 from tests.tiny_families import FAMILIES, TinyFamily, greedy
 
 PROMPT = [5 + (7 * j) % 300 for j in range(30)]  # past the sliding window
@@ -66,6 +70,16 @@ def test_prefill_logits_are_transformers(family: TinyFamily, f32_gguf: Path) -> 
     hidden = backend.model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), backend.kv_caches, meta)
     want = family.model(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(backend.model.compute_logits(hidden), want, atol=1e-4, rtol=1e-4)
+
+
+def test_served_greedy_tokens_are_transformers_alone_and_in_a_batch_of_8(family: TinyFamily, f32_gguf: Path) -> None:
+    want = [greedy(family, p, SERVED_TOKENS) for p in PROMPTS]
+    with served(f32_gguf, "--served-model-name", "m") as url:
+        alone = complete(url, PROMPTS[-1])
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            batched = list(pool.map(lambda p: complete(url, p), PROMPTS))
+    assert alone == want[-1]
+    assert batched == want
 
 
 @torch.inference_mode()

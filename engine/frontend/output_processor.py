@@ -13,6 +13,7 @@ concatenate to exactly the final text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,12 +60,12 @@ class ProcessedOutputs:
 class _RequestText:
     """One request's text so far and how much of it was handed out."""
 
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self._detok = None
         if tokenizer is not None:
             spaces = params.spaces_between_special_tokens
-            self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, spaces)
+            self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, spaces, prompt_ids)
         self._stop = StopStrings(params.stop) if tokenizer is not None else StopStrings([])
         self._params = params
         self.num_tokens = 0
@@ -123,9 +124,9 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        """After the core accepted the request."""
-        self._requests[request_id] = _RequestText(self.tokenizer, params)
+    def add_request(self, request_id: str, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+        """After the core accepted the request; the text starts after `prompt_ids`."""
+        self._requests[request_id] = _RequestText(self.tokenizer, params, prompt_ids)
 
     def process(self, outputs: list[EngineOutput]) -> ProcessedOutputs:
         """Each request's message for this step; requests it finishes are forgotten."""

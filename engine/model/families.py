@@ -23,6 +23,7 @@ FAMILIES: dict[str, str] = {
     "Phi3ForCausalLM": "Phi-3: fused q/k/v and gate/up, longrope",
 }
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 ROPE_KINDS = {"linear", "llama3", "longrope"}
 
@@ -43,6 +44,19 @@ def architecture_of(c: dict[str, Any]) -> str:
         if name in FAMILIES:
             return name
     raise UnsupportedModelError(unsupported(names))
+
+
+def family_traits(arch: str, hidden_size: int) -> dict[str, Any]:
+    """The ModelConfig fields a family fixes, whichever format its checkpoint comes in: `config_from_hf` and the
+    GGUF loader (engine/model/loaders/gguf.py) both take them from here."""
+    gemma = arch in GEMMA
+    return {
+        "architecture": arch,
+        "attention_bias": arch == "Qwen2ForCausalLM",
+        "qk_norm": arch in QK_NORM,
+        "sandwich_norms": gemma,
+        "embed_scale": hidden_size**0.5 if gemma else 1.0,
+    }
 
 
 def config_from_hf(c: dict[str, Any]) -> ModelConfig:
@@ -74,12 +88,8 @@ def config_from_hf(c: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         tie_word_embeddings=c.get("tie_word_embeddings", gemma),
-        architecture=arch,
-        attention_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-        sandwich_norms=gemma,
+        **family_traits(arch, hidden),
         activation=ACTIVATIONS[activation],
-        embed_scale=hidden**0.5 if gemma else 1.0,
         attn_scale=c["query_pre_attn_scalar"] ** -0.5 if gemma else None,
         attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
         final_softcap=c.get("final_logit_softcapping") if gemma else None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -178,6 +179,9 @@ class Tokenizer:
         return continue_final(rendered, messages[-1]["content"]) if continue_final_message else rendered
 
 
+CONTEXT_TOKENS = 5  # prompt ids a detokenizer decodes its first token after
+
+
 class IncrementalDetokenizer:
     """Text deltas for a stream of token ids. Decodes a short window of recent ids so the cost per token
     is constant, and holds back a delta that ends in an incomplete UTF-8 sequence (decoded as U+FFFD)
@@ -188,13 +192,23 @@ class IncrementalDetokenizer:
     puts before it: vLLM's fast detokenizer does the same."""
 
     def __init__(
-        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        context: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        # The last ids before the first new one (the prompt's), decoded with it: a SentencePiece decoder strips
+        # the space that starts a text, so "▁Paris" alone is "Paris" but after "▁is" it is " Paris". Left out
+        # where they end inside a character.
+        seed = list(context[-CONTEXT_TOKENS:])
+        if tokenizer.decode(seed, skip_special_tokens).endswith("\ufffd"):
+            seed = []
+        self.ids: list[int] = seed
         self.prefix_offset = 0  # start of the window decoded for context
-        self.read_offset = 0  # ids before this are already emitted as text
+        self.read_offset = len(seed)  # ids before this are already emitted as text
         self.text = ""
         joined = not (skip_special_tokens or spaces_between_special_tokens)
         self._added = tokenizer.added_tokens() if joined else {}  # empty: nothing to join

@@ -312,7 +312,7 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - a request's error is that request's answer, never the loop's
             self._outbox.append((add.handle, e))
             return
-        self._processor.add_request(rid, add.params)
+        self._processor.add_request(rid, add.params, add.prompt_ids)
         self._handles[rid] = add.handle
         self._outbox.append((add.handle, ACCEPTED))
 

@@ -1,7 +1,7 @@
 """GGUF (llama.cpp) files of the families Headroom serves: the config from `<arch>.*` metadata, read as llama.cpp
 reads it, into the fields engine/model/families.py derives from an HF config.json; the weights under their HF
 names and in HF's layout (dequantized, or their Q8_0/Q4_0/Q4_1 blocks kept as they ship: engine/model/quant.py);
-the tokenizer rebuilt from `tokenizer.ggml.*`.
+the tokenizer rebuilt from `tokenizer.ggml.*` (byte-level BPE, or SentencePiece BPE).
 
 What llama.cpp's converter (convert_hf_to_gguf.py) changes, and this undoes: q/k rows permuted, for `llama`
 only; an MoE layer's experts stacked into one 3-D tensor per projection. Gemma's norms are stored as 1 + w,
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.model.families import GEMMA, UnsupportedModelError, unsupported
+from engine.model.families import GEMMA, UnsupportedModelError, family_traits, unsupported
 from engine.model.model_config import ModelConfig
 from engine.model.quant import KINDS, RawQuant
 from engine.model.tokenizer import Tokenizer, special_tokens_processor
@@ -37,7 +37,8 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
 }
-TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
+SPACE = "\u2581"  # SentencePiece's space
 # the regexes a pre-tokenizer splits by before the byte-level step, as the models' tokenizer.json write them
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -166,12 +167,8 @@ class GGUFFile:
             rope_scaling=self._rope_scaling(),
             max_position_embeddings=self.meta("context_length", 2048),
             tie_word_embeddings="output.weight" not in self.tensors,
-            architecture=ARCHITECTURES[arch],
-            attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-            sandwich_norms=gemma,
+            **family_traits(ARCHITECTURES[arch], hidden),
             activation="gelu_tanh" if gemma else "silu",
-            embed_scale=hidden**0.5 if gemma else 1.0,
             attn_scale=self._query_scale(hidden // heads, head_dim, layers) if gemma else None,
             attn_softcap=self.meta_float("attn_logit_softcapping", 50.0) if arch == "gemma2" else None,
             final_softcap=self.meta_float("final_logit_softcapping", 30.0 if arch == "gemma2" else None),
@@ -256,26 +253,28 @@ class GGUFFile:
         return f"model.layers.{layer}.{self.names[part]}.{suffix}"
 
     def tokenizer(self, name: str) -> Tokenizer:
-        kind = self.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(
-                f"{self.path.name}: tokenizer model {kind!r} is not supported, only byte-level BPE (gpt2)"
-            )
         tokens: list[str] = self.get("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self.get("tokenizer.ggml.merges")]
-        bpe = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-        bpe.pre_tokenizer = pre_tokenizer(self.get("tokenizer.ggml.pre", "default"))
-        bpe.decoder = decoders.ByteLevel()
+        kind = self.get("tokenizer.ggml.model")
+        if kind == "gpt2":
+            bpe = self._byte_level_bpe(tokens)
+        elif kind == "llama":
+            bpe = self._sentencepiece_bpe(tokens)
+        else:
+            raise UnsupportedModelError(
+                f"{self.path.name}: tokenizer model {kind!r} is not supported, only byte-level BPE (gpt2) and "
+                "SentencePiece BPE (llama)"
+            )
         types = self.get("tokenizer.ggml.token_type") or []
         special = [tokens[i] for i, k in enumerate(types) if k in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
         bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         eos = self.get("tokenizer.ggml.eos_token_id")
         eot = self.get("tokenizer.ggml.eot_token_id")
         bos = self.get("tokenizer.ggml.bos_token_id")
-        # what llama.cpp adds (its converters write these keys from the HF tokenizer's post-processor)
+        # what llama.cpp adds (its converters write these keys from the HF tokenizer's post-processor; a
+        # SentencePiece file that has no key gets BOS, as llama.cpp gives it)
         bpe.post_processor = special_tokens_processor(
             bpe,
-            bos if self.get("tokenizer.ggml.add_bos_token", False) else None,
+            bos if self.get("tokenizer.ggml.add_bos_token", kind == "llama") else None,
             eos if self.get("tokenizer.ggml.add_eos_token", False) else None,
         )
         return Tokenizer(
@@ -285,6 +284,46 @@ class GGUFFile:
             bos_token_id=bos,
             chat_template=self.get("tokenizer.chat_template"),
         )
+
+    def _byte_level_bpe(self, tokens: list[str]) -> HFTokenizer:
+        merges = [tuple(m.split(" ", 1)) for m in self.get("tokenizer.ggml.merges")]
+        bpe = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+        bpe.pre_tokenizer = pre_tokenizer(self.get("tokenizer.ggml.pre", "default"))
+        bpe.decoder = decoders.ByteLevel()
+        return bpe
+
+    def _sentencepiece_bpe(self, tokens: list[str]) -> HFTokenizer:
+        """SentencePiece BPE as llama.cpp's SPM tokenizer runs it (Llama 2, Mistral, Gemma, Phi-3 files): spaces as
+        `▁`, one more before the text and after each special token unless `add_space_prefix` is false, the
+        adjacent pair whose merge scores highest merged first, and a character outside the vocabulary as its
+        UTF-8 bytes (`<0xNN>` tokens). Gemma's files, as transformers' GGUF reader found, spell runs of spaces
+        with spaces and rank merges by position, not score."""
+        scores: list[float] = self.get("tokenizer.ggml.scores")
+        if self.arch.startswith("gemma"):
+            tokens = [SPACE * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
+            scores = [-float(i) for i in range(len(tokens))]
+        types = self.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)
+        pieces = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k == TOKEN_TYPE_NORMAL}
+        merges = sorted(
+            ((-scores[i], len(t[:cut]), t[:cut], t[cut:]) for t, i in pieces.items() for cut in range(1, len(t))
+             if t[:cut] in pieces and t[cut:] in pieces),
+        )  # fmt: skip
+        unk = self.get("tokenizer.ggml.unknown_token_id")
+        model = models.BPE(
+            {t: i for i, t in enumerate(tokens)},
+            [(left, right) for *_, left, right in merges],
+            unk_token=None if unk is None else tokens[unk],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+        bpe = HFTokenizer(model)
+        prefix = bool(self.get("tokenizer.ggml.add_space_prefix", True))
+        bpe.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE)] * prefix + [normalizers.Replace(" ", SPACE)])
+        bpe.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+            + [decoders.Strip(" ", 1, 0)] * prefix
+        )
+        return bpe
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
