@@ -33,7 +33,7 @@ from bench.harness import http
 from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
 from bench.harness.server import headroom
-from engine.serving.ray_serve.replica import REPLICA_HEADER
+from engine.serving.ray_serve.forwarding import REPLICA_HEADER
 
 READY = re.compile(r"Headroom ready at (http://\S+)")
 START_TIMEOUT_S = 300

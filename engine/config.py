@@ -216,6 +216,10 @@ class ServerConfig(_Config):
         "headroom", "fleet: headroom (by each replica's measured prompt headroom) or default (Ray's pow-2 by queue)",
         ROUTERS, "fleet",
     )  # fmt: skip
+    max_resends: int = _opt(
+        2, "fleet: how often a request whose replica died is sent to another (a begun stream resumes there); "
+        "past it, a 503", group="fleet",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))  # JSON gives a list
@@ -223,6 +227,8 @@ class ServerConfig(_Config):
         self._check_positive("max_waiting", "replicas")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535]; got {self.port}")
+        if self.max_resends < 0:
+            raise ConfigError(f"max_resends must be 0 or more; got {self.max_resends}")
         if self.shutdown_grace < 0:
             raise ConfigError(f"shutdown_grace must not be negative; got {self.shutdown_grace}")
 

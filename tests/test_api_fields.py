@@ -78,6 +78,7 @@ EFFECTS: dict[str, tuple[dict, object]] = {
     "truncate_prompt_tokens": ({}, 2),
     "truncation_side": ({"truncate_prompt_tokens": 2}, "right"),
     "return_tokens_as_token_ids": ({"logprobs": 1}, True),
+    "return_token_ids": ({}, True),
     "use_beam_search": ({}, True),
     "request_id": ({}, "mine"),
     "logprobs": ({}, 1),

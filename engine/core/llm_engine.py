@@ -121,8 +121,16 @@ class LLMEngine:
         return self._phases.totals()
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        output_ids: list[int] | tuple[int, ...] = (),
     ) -> Sequence:
+        """`output_ids`: what the request already produced on a replica that died (its stream is resumed here).
+        They are prefilled with the prompt, as after a preemption by recompute, and sampling goes on at their
+        positions: a seeded request draws what it would have drawn there, a greedy one picks what it would have."""
         if not self.healthy:
             raise EngineDeadError("engine is unhealthy after an unrecovered OOM")
         if request_id in self.requests:
@@ -131,15 +139,16 @@ class LLMEngine:
             request_id,
             tuple(prompt_ids),
             params,
-            max_tokens=self._check(prompt_ids, params),
+            max_tokens=self._check(prompt_ids, params, len(output_ids)),
             arrival_time=self.backend.now() if arrival_time is None else arrival_time,
+            output_ids=list(output_ids),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else [],  # the first token has none
         )
         self.scheduler.add(seq)
         self._last_batch = None  # the next step packs it: no decode burst before
         return seq
 
-    def _check(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def _check(self, prompt_ids: list[int], params: SamplingParams, produced: int = 0) -> int:
         """Validate at arrival and resolve max_tokens. Like vLLM, a request whose prompt plus max_tokens
         exceeds the context is rejected (400) rather than silently truncated; max_tokens=None resolves by
         `default_max_tokens`, the one rule the offline API and the server share."""
@@ -174,6 +183,8 @@ class LLMEngine:
             raise RequestError(
                 f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the context leaves", "min_tokens"
             )
+        if produced >= max_tokens:
+            raise RequestError(f"resumed with {produced} tokens of the {max_tokens} it may make", "resume")
         if n + max_tokens > pool_tokens:
             raise RequestError(
                 f"prompt plus max_tokens ({n + max_tokens} tokens) exceeds the whole KV cache ({pool_tokens} tokens)",

@@ -51,6 +51,16 @@ class RequestOutput:
     prompt_logprobs: list[LogprobEntry] | None = None  # with the first token, where asked: each prompt token's
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A stream a replica that died had begun (engine/serving/ray_serve/resend.py): the tokens it produced, and
+    how many characters of their text reached the client. The text goes on from there: what was held back
+    (a possible stop string, an unfinished character) is still to come."""
+
+    token_ids: tuple[int, ...]
+    text_sent: int
+
+
 @dataclass
 class ProcessedOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
@@ -60,7 +70,9 @@ class ProcessedOutputs:
 class _RequestText:
     """One request's text so far and how much of it was handed out."""
 
-    def __init__(self, tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int], resume: Resume | None
+    ) -> None:
         self._tokenizer = tokenizer
         self._detok = None
         if tokenizer is not None:
@@ -70,6 +82,12 @@ class _RequestText:
         self._params = params
         self.num_tokens = 0
         self.sent = 0  # characters of the text handed out
+        if resume is not None:
+            self.num_tokens = len(resume.token_ids)
+            if self._detok is not None:
+                for token in resume.token_ids:
+                    self._detok.add(token)
+                self.sent = min(resume.text_sent, len(self._detok.text))
 
     def update(self, out: EngineOutput) -> tuple[str, str | None]:
         """Take the step's tokens; returns the text now safe to send and the finish reason, which a stop
@@ -124,9 +142,11 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def add_request(self, request_id: str, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
-        """After the core accepted the request; the text starts after `prompt_ids`."""
-        self._requests[request_id] = _RequestText(self.tokenizer, params, prompt_ids)
+    def add_request(
+        self, request_id: str, params: SamplingParams, prompt_ids: Sequence[int] = (), resume: Resume | None = None
+    ) -> None:
+        """After the core accepted the request; the text starts after `prompt_ids`, or goes on from `resume`."""
+        self._requests[request_id] = _RequestText(self.tokenizer, params, prompt_ids, resume)
 
     def process(self, outputs: list[EngineOutput]) -> ProcessedOutputs:
         """Each request's message for this step; requests it finishes are forgotten."""

@@ -29,7 +29,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[Any, ...]] = {
     "early_stopping": (False,),  # vLLM's beam search stops when its beams are done; no early stop
     "priority": (0,),  # vLLM: a priority needs priority scheduling, which this scheduler does not have
     "stream_interval": (1,),  # every streamed chunk carries what one step produced
-    "return_token_ids": (False,),  # vLLM's token ids in the answer: not implemented
     "return_prompt_text": (False,),  # vLLM's rendered prompt in the answer: not implemented
     "cache_salt": (),  # salting the prefix cache per tenant is not implemented: not isolated, so not accepted
     "kv_transfer_params": (),  # disaggregated prefill/decode: not served

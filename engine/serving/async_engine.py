@@ -34,7 +34,7 @@ from engine.core.llm_engine import EngineDeadError, LLMEngine
 from engine.core.outputs import EngineOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import FinishedRequest
-from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.output_processor import OutputProcessor, Resume
 from engine.model.standin_tokenizer import StandInTokenizer
 from engine.serving.handles import ACCEPTED, RequestHandle, deliver
 from engine.serving.messages import ControllerStats, EngineInfo, EngineSnapshot, PrefillLoad
@@ -71,6 +71,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    resume: Resume | None
 
 
 @dataclass
@@ -203,17 +204,18 @@ class AsyncEngine:
         return {phase: seconds + ours[phase] for phase, seconds in self.engine.phase_totals().items()}
 
     # ---- requests (event loop thread) --------------------------------------------------------------
-    async def add(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+    async def add(self, prompt_ids: list[int], params: SamplingParams, resume: Resume | None = None) -> RequestHandle:
         """Queue a request and wait until the engine accepted it. Raises the engine's RequestError (400),
-        EngineDeadError (503) or QueueFullError (429)."""
+        EngineDeadError (503) or QueueFullError (429). `resume`: a stream a replica that died had begun."""
         handle = RequestHandle(f"req-{next(self._ids)}", len(prompt_ids), self._request_abort)
+        handle.num_tokens = len(resume.token_ids) if resume else 0  # usage counts what the client got
         arrival = self.engine.now()  # a clock read: thread-safe on every backend
         with self._lock:
             if self.error is not None or self._stopping or not self.snapshot.stats.healthy:
                 raise EngineDeadError(self.dead_reason())
             refuse_when_full(self.num_waiting(), self.max_waiting)
             self._pending += 1
-            self._commands.put(("add", _Add(handle, list(prompt_ids), params, arrival)))
+            self._commands.put(("add", _Add(handle, list(prompt_ids), params, arrival, resume)))
         try:
             await handle.accepted()
         except asyncio.CancelledError:
@@ -308,11 +310,12 @@ class AsyncEngine:
     def _apply_add(self, add: _Add) -> None:
         rid = add.handle.request_id
         try:
-            self.engine.add_request(rid, add.prompt_ids, add.params, arrival_time=add.arrival_time)
+            produced = add.resume.token_ids if add.resume else ()
+            self.engine.add_request(rid, add.prompt_ids, add.params, add.arrival_time, produced)
         except Exception as e:  # noqa: BLE001 - a request's error is that request's answer, never the loop's
             self._outbox.append((add.handle, e))
             return
-        self._processor.add_request(rid, add.params, add.prompt_ids)
+        self._processor.add_request(rid, add.params, add.prompt_ids, add.resume)
         self._handles[rid] = add.handle
         self._outbox.append((add.handle, ACCEPTED))
 

@@ -100,7 +100,7 @@ class Found:
     text: str
     logprobs: list[LogprobEntry]
     finish_reason: str
-    num_tokens: int
+    token_ids: list[int]  # every token the beam made (usage counts them)
 
 
 async def search(
@@ -130,7 +130,7 @@ async def search(
             shown = b.tokens[:-1] if b.tokens and b.tokens[-1] in eos and not req.ignore_eos else b.tokens
             text = tokenizer.decode(shown, skip_special_tokens=req.skip_special_tokens)
             entries = [replace(e, top=e.top[:top], top_ids=e.top_ids[:top]) for e in b.logprobs]
-            found.append(Found(text, entries, b.finish_reason, len(b.tokens)))
+            found.append(Found(text, entries, b.finish_reason, list(b.tokens)))
         return found
 
     return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.core.llm_engine import EngineDeadError
 from engine.core.sampling_params import SamplingParams
+from engine.frontend.output_processor import Resume
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.errors import SERVER_ERROR, APIError, engine_error
 from engine.serving.handles import RequestHandle
@@ -26,11 +27,13 @@ class Choice:
     text: str = ""  # the text so far: every delta the engine thread sent, in order
     logprobs: list[LogprobEntry] = field(default_factory=list)  # every output token's, when asked for
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the output's (return_token_ids)
 
     def advance(self, update: RequestOutput) -> str:
         """Take one engine message; returns its text delta. The last message sets `finish_reason`; an
         engine-ended request ("error": an unrecovered OOM; "abort") is a 503."""
         self.logprobs.extend(update.logprobs)
+        self.token_ids.extend(update.token_ids)
         self.text += update.text
         reason = update.finish_reason
         if reason is not None and reason not in ("stop", "length"):
@@ -39,9 +42,13 @@ class Choice:
         return update.text
 
 
-async def submit(engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[Choice]:
-    """Add every request at once; if any is refused, abort those accepted and answer the first refusal."""
-    results = await asyncio.gather(*(engine.add(ids, params) for ids, params in requests), return_exceptions=True)
+async def submit(
+    engine: AsyncEngine, requests: list[tuple[list[int], SamplingParams]], resume: Resume | None = None
+) -> list[Choice]:
+    """Add every request at once; if any is refused, abort those accepted and answer the first refusal. `resume`:
+    the one request is a stream another replica began."""
+    added = (engine.add(ids, params, resume) for ids, params in requests)
+    results = await asyncio.gather(*added, return_exceptions=True)
     refused = [r for r in results if not isinstance(r, RequestHandle)]
     if refused:
         for r in results:

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.core.sampling_params import ParamError, StructuredOutput
 from engine.frontend.bad_words import bad_words_token_ids
+from engine.frontend.output_processor import Resume
 from engine.serving import protocol as p
 from engine.serving.beam_search import search
 from engine.serving.choices import Choice, ChoiceUpdates, submit
@@ -57,8 +58,9 @@ def _sse(obj: dict[str, Any] | str) -> str:
 class _AbortOnClose(StreamingResponse):
     """An SSE response that ends its requests however the response ends (client gone, error, shutdown)."""
 
-    def __init__(self, content: AsyncIterator[str], close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], close: Callable[[], None], resumable: bool) -> None:
+        headers = {"Cache-Control": "no-cache"} | ({p.RESUMABLE_HEADER: "1"} if resumable else {})
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self._close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -120,6 +122,7 @@ class _Result:
     text: str
     logprobs: list[LogprobEntry]
     finish_reason: str | None
+    token_ids: list[int]
     prompt_logprobs: list[LogprobEntry] | None = None
 
 
@@ -163,10 +166,16 @@ class _Answer:
                     choice["message"].update(fields)
             elif shape.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs(r.prompt_logprobs or [])
+            if self.req.return_token_ids:
+                choice["token_ids"] = r.token_ids
+                if endpoint is COMPLETIONS:
+                    choice["prompt_token_ids"] = self.prompts[r.index // self.req.n].ids
             choices.append(choice)
         body = p.envelope(self.rid, self.created, self.name, endpoint.body_object, choices)
         if endpoint is CHAT and shape.prompt_logprobs is not None and results:
             body["prompt_logprobs"] = prompt_logprobs(results[0].prompt_logprobs or [])
+        if endpoint is CHAT and self.req.return_token_ids:
+            body["prompt_token_ids"] = self.prompts[0].ids
         return JSONResponse({**body, "usage": self.usage(completion_tokens)})
 
     async def respond(self, request: Request, max_tokens: int | None) -> Response:
@@ -180,17 +189,35 @@ class _Answer:
         first = req.sampling_params(max_tokens, self.shape.logprobs, self.shape.prompt_logprobs, bad_words)
         first = replace(first, structured=self.structured)
         requests = [(prompt.ids, req.for_sample(first, j)) for prompt in self.prompts for j in range(req.n)]
-        updates = ChoiceUpdates(await submit(ctx.engine, requests))
+        updates = ChoiceUpdates(await submit(ctx.engine, requests, self.resume()))
         if req.stream:
-            return _AbortOnClose(self.events(updates), updates.close)
+            return _AbortOnClose(self.events(updates), updates.close, self.resumable)
         try:
             scored = await _collect(updates, request)
         finally:
             updates.close()
         if scored is None:
             return Response(status_code=499)
-        results = [_Result(c.index, c.text, c.logprobs, c.finish_reason, scored.get(c.index)) for c in updates.choices]
+        results = [
+            _Result(c.index, c.text, c.logprobs, c.finish_reason, c.token_ids, scored.get(c.index))
+            for c in updates.choices
+        ]
         return self.body(results, sum(c.handle.num_tokens for c in updates.choices))
+
+    def resume(self) -> Resume | None:
+        """The request's `resume`, for a stream that can go on here: its text the output's alone (no tool calls
+        parsed from it) and no grammar to catch up."""
+        resume = self.req.resume
+        if resume is None:
+            return None
+        if self.shape.tools is not None or self.structured is not None:
+            raise bad_request("a stream with tools or a structured output does not resume", "resume")
+        return Resume(tuple(resume.token_ids), resume.text_sent)
+
+    @property
+    def resumable(self) -> bool:
+        """What the fleet's ingress may resume elsewhere if this replica dies (the `x-headroom-resumable` header)."""
+        return self.req.resumable and self.shape.tools is None and self.structured is None
 
     async def beams(self, request: Request, max_tokens: int | None) -> Response:
         """vLLM's beam search (engine/serving/beam_search.py); n is the width."""
@@ -205,11 +232,11 @@ class _Answer:
             return Response(status_code=499)
         n = self.req.n
         results = [
-            _Result(i * n + j, b.text, b.logprobs, b.finish_reason)
+            _Result(i * n + j, b.text, b.logprobs, b.finish_reason, b.token_ids)
             for i, beams in enumerate(found)
             for j, b in enumerate(beams)
         ]
-        return self.body(results, sum(b.num_tokens for beams in found for b in beams))
+        return self.body(results, sum(len(b.token_ids) for beams in found for b in beams))
 
     def _chunk(self, choices: list[dict[str, Any]]) -> str:
         body = p.envelope(self.rid, self.created, self.name, self.endpoint.chunk_object, choices)
@@ -229,7 +256,7 @@ class _Answer:
         pieces = {} if shape.logprobs is None else {c.index: self.endpoint.logprobs(as_ids) for c in updates.choices}
         tools = {c.index: ChoiceStream(shape.tools) for c in updates.choices} if shape.tools is not None else {}
         try:
-            for c in updates.choices:
+            for c in updates.choices if self.req.resume is None else ():  # a resumed stream has opened
                 for chunk in self._opening(c):
                     yield chunk
             async for c, update in updates:
@@ -242,7 +269,11 @@ class _Answer:
                     text, entries = self.prompts[c.index // self.req.n].echo + text, [*lead, *entries]
                 piece = pieces[c.index].add(entries) if pieces and entries else None
                 deltas = tools[c.index].deltas if tools else self.endpoint.deltas
-                for choice in deltas(c.index, text, piece, c.finish_reason):
+                choices = deltas(c.index, text, piece, c.finish_reason)
+                if self.req.return_token_ids and update.token_ids:  # each step's ids, in its first chunk
+                    choices = choices or self.endpoint.deltas(c.index, "", {}, None)
+                    choices[0]["token_ids"] = update.token_ids
+                for choice in choices:
                     yield self._chunk([choice])
             if self.req.include_usage:
                 tokens = sum(c.handle.num_tokens for c in updates.choices)

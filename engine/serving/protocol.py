@@ -88,6 +88,18 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+RESUMABLE_HEADER = "x-headroom-resumable"  # on a stream the fleet's ingress may resume on another replica
+
+
+class ResumeFields(Strict):
+    """Headroom's: this request is a stream whose replica died, re-sent by the fleet's ingress
+    (engine/serving/ray_serve/resend.py) with the tokens the client got (`token_ids`, from vLLM's
+    `return_token_ids`) and how many characters of their text it got. The answer goes on from there."""
+
+    token_ids: Annotated[list[integer(ge=0)], Field(min_length=1)]
+    text_sent: integer(ge=0)
+
+
 class SamplingFields(Strict, StructuredOutputFields):
     """The fields both endpoints share, with OpenAI's defaults; vLLM's extensions at the end."""
 
@@ -121,6 +133,8 @@ class SamplingFields(Strict, StructuredOutputFields):
     truncate_prompt_tokens: Literal[-1] | Count | None = None  # keep k prompt tokens; -1: all the context leaves
     truncation_side: Literal["left", "right"] | None = None  # left (None): keep the last k; right: the first k
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
+    return_token_ids: bool | None = None  # each choice's (each chunk's) output ids, and the prompt's
+    resume: ResumeFields | None = None  # Headroom's: a stream another replica began
     use_beam_search: bool = False  # vLLM's: n beams, not streamed
     length_penalty: Annotated[float, Field(ge=-20, le=20)] = 1.0  # beam search: logprob / length ** length_penalty
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the answer's id, after its prefix
@@ -152,6 +166,14 @@ class SamplingFields(Strict, StructuredOutputFields):
             raise bad_request(f"beam search takes n (its width) in [1, {MAX_BEAM_WIDTH}]", "n")
         if self.length_penalty != 1 and not self.use_beam_search:
             raise bad_request("length_penalty applies to beam search only (use_beam_search)", "length_penalty")
+        if self.resume is not None and not self.resumable:
+            raise bad_request("only a stream of one choice without echo or prompt logprobs resumes", "resume")
+
+    @property
+    def resumable(self) -> bool:
+        """A stream the fleet's ingress can resume on another replica: one choice, its text the generated tokens'
+        alone (chat's tool calls and structured outputs are checked where they are planned)."""
+        return self.stream and self.n == 1 and not (self.use_beam_search or self.echo or self.prompt_logprobs)
 
     def engine_logit_bias(self) -> dict[int, float]:
         """OpenAI's keys (digits, by the schema) as token ids; each bias clamped to [-100, 100], as vLLM does."""

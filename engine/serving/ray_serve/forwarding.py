@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message
 
 from engine.serving.errors import SERVER_ERROR, error_body
@@ -28,6 +27,7 @@ logger = logging.getLogger("headroom.ray")
 APP_EXIT_WAIT_S = 5.0  # after the caller left: how long the app may take to abort its requests
 RETRY_AFTER_S = 1  # a replica that died is restarted by Ray; another replica can take the request now
 EVENT_STREAM = b"text/event-stream"
+REPLICA_HEADER = b"x-headroom-replica"  # each answer names the replica that made it
 
 
 @dataclass(frozen=True)
@@ -93,35 +93,3 @@ def replica_unavailable(what: str) -> dict[str, Any]:
 
 def unavailable_response(what: str) -> Response:
     return JSONResponse(replica_unavailable(what), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-async def relay(messages: Any, retryable: tuple[type[BaseException], ...]) -> Response:
-    """The response a replica's message stream describes. A replica that dies before answering gives a 503
-    (`unavailable_response`); one that dies mid-stream ends an event stream with an error event (the status
-    line is gone by then), any other body is cut short."""
-    try:
-        start = await messages.__anext__()
-    except retryable as e:
-        return unavailable_response(type(e).__name__)
-    except StopAsyncIteration:
-        return unavailable_response("no answer")
-    is_events = any(k.lower() == b"content-type" and v.startswith(EVENT_STREAM) for k, v in start["headers"])
-
-    async def body() -> AsyncIterator[bytes]:
-        ended = False
-        try:
-            async for message in messages:
-                yield message.get("body", b"")
-            ended = True
-        except retryable as e:
-            ended = True
-            logger.warning("a replica died mid-answer: %s", type(e).__name__)
-            if is_events:
-                yield f"data: {json.dumps(replica_unavailable(type(e).__name__))}\n\n".encode()
-        finally:
-            if not ended:  # the client left: stop the replica's request too
-                messages.cancel()
-
-    response = StreamingResponse(body(), status_code=start["status"])
-    response.raw_headers = list(start["headers"])
-    return response

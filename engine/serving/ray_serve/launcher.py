@@ -66,7 +66,7 @@ def fleet_app(ecfg: EngineConfig, scfg: ServerConfig) -> Any:
     ingress = serve.deployment(Ingress).options(
         name="ingress", max_ongoing_requests=per_replica * scfg.replicas, ray_actor_options={"num_cpus": 0}
     )
-    return ingress.bind(engine.bind(ecfg.to_json(), scfg.to_json()))
+    return ingress.bind(engine.bind(ecfg.to_json(), scfg.to_json()), scfg.max_resends)
 
 
 def free_port(host: str) -> int:

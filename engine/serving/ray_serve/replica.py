@@ -20,7 +20,7 @@ from ray import serve
 from engine.config import EngineConfig, ServerConfig
 from engine.core.llm_engine import EngineDeadError
 from engine.serving.launch import build_app
-from engine.serving.ray_serve.forwarding import ForwardedRequest, call_app
+from engine.serving.ray_serve.forwarding import REPLICA_HEADER, ForwardedRequest, call_app
 from engine.serving.ray_serve.headroom_policy import routing_stats
 from engine.serving.ray_serve.metrics_board import metrics_board
 from engine.serving.ray_serve.prompt_size import PromptSize
@@ -28,7 +28,6 @@ from engine.serving.ray_serve.prompt_size import PromptSize
 logger = logging.getLogger("headroom.ray")
 
 METRICS_PUSH_S = 1.0
-REPLICA_HEADER = b"x-headroom-replica"
 _METRICS = ForwardedRequest("GET", "/metrics", b"", (), b"", PromptSize(0))
 
 
