@@ -88,9 +88,10 @@ FLEET_JSONS = tuple(
 
 
 def _fleet_runs() -> Experiment:
-    """The routers over 4 to 1,000 twin replicas (bench/fleet/), one JSON per fleet size and load."""
+    """The routers over 4 to 1,000 twin replicas (bench/fleet/), one JSON per fleet size and load: run before
+    the ingress re-sent the requests of a replica that died (`--max-resends 0` makes them as they were)."""
     runs = tuple(
-        f"headroom bench fleet --replicas {n} --load {load} --seeds {seeds}"
+        f"headroom bench fleet --replicas {n} --load {load} --seeds {seeds} --max-resends 0"
         + (f" --first-seed {first}" if first else "")
         + f" --routers {routers} --jobs 2 --out {{out}}/{name}"
         for (n, load, first, seeds, routers, _), name in zip(FLEET_RUNS, FLEET_JSONS, strict=True)
@@ -104,6 +105,14 @@ def _fleet_report() -> Experiment:
     pngs = tuple(f"fleet_{n}.png" for n in sorted({n for n, *_ in FLEET_RUNS}))
     command = f"python -m bench.fleet.report {inputs} --out {{out}}/fleet.md"
     return Experiment("fleet_report", (command,), ("fleet.md", *pngs), "twin", 5, "default")
+
+
+def _fleet_resends() -> Experiment:
+    """The routers over 16 twin replicas with the ingress's re-sends (issue #44), and their report."""
+    run = "headroom bench fleet --replicas 16 --seeds 10 --jobs 2 --out {out}/fleet_resend/16_near.json"
+    report = "python -m bench.fleet.report {out}/fleet_resend/16_near.json --out {out}/fleet_resend.md"
+    outputs = ("fleet_resend/16_near.json", "fleet_resend.md", "fleet_resend_16.png")
+    return Experiment("fleet_resend", (run, report), outputs, "twin", 400, "slow", compared=outputs[:2])
 
 
 def _matrix(policy: str, blocks: int | None, seconds: float, suite: str, sensors: str = "ideal") -> Experiment:
@@ -395,6 +404,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     _fleet_runs(),
     _fleet_report(),
+    _fleet_resends(),
     Experiment(
         "ray_fleet",
         ("python -m bench.ray_fleet --duration 60 --long-rate 1.0 --out {out}/ray_fleet.md",),

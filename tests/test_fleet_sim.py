@@ -17,12 +17,21 @@ from bench.fleet.load import PROMPT_VOCAB, FleetRequest, Scenario, generate
 from bench.fleet.routers import ROUTERS, HeadroomNoPrefix, HeadroomRouter, PowerOfTwo
 from bench.fleet.sim import STATS_PERIOD_S, Faults, FleetSim
 from engine.serving.ray_serve.headroom_policy import Headroom, Prompt
+from engine.serving.ray_serve.resend import MAX_RESENDS
 
 SMALL = Scenario(duration_s=4.0, rate_per_replica=3.0)
 
 
-def run(router: str, replicas: int = 3, seed: int = 0, faults: Faults | None = None, scenario: Scenario = SMALL):
-    return FleetSim(engine_config(), replicas, router, scenario, faults, seed).run(generate(scenario, replicas, seed))
+def run(
+    router: str,
+    replicas: int = 3,
+    seed: int = 0,
+    faults: Faults | None = None,
+    scenario: Scenario = SMALL,
+    max_resends: int = MAX_RESENDS,
+):
+    sim = FleetSim(engine_config(), replicas, router, scenario, faults, seed, max_resends)
+    return sim.run(generate(scenario, replicas, seed))
 
 
 def test_the_load_keeps_its_mean_rate_through_the_burst_and_shifts_its_mix() -> None:
@@ -57,7 +66,10 @@ def test_every_router_is_deterministic_and_accounts_for_every_request(router: st
     assert first == again
     sent = len(generate(SMALL, 3, 0))
     assert len(first.finished) + sum(first.failed.values()) == sent
-    assert first.failed["replica_died"] > 0 and len(first.finished) > 0.5 * sent
+    assert "replica_died" not in first.failed and first.resends.resent + first.resends.resumed > 0
+    lossy = run(router, faults=Faults(), max_resends=0)  # the ingress before re-sends
+    assert len(lossy.finished) + sum(lossy.failed.values()) == sent
+    assert lossy.failed["replica_died"] > 0 and len(lossy.finished) > 0.5 * sent
     assert all(f.ttft > 0 for f in first.finished)
 
 
@@ -79,9 +91,26 @@ def test_a_replica_that_dies_loses_what_it_held_and_comes_back() -> None:
     healthy = run("round_robin")
     assert sum(healthy.failed.values()) == 0
     faults = Faults(kill_at=0.5, kill_share=0.0, restart_after_s=1.0, squeeze_share=0.0)
-    hit = run("round_robin", faults=faults)  # one replica dies at 2 s and is back at 3 s
+    hit = run("round_robin", faults=faults, max_resends=0)  # one replica dies at 2 s and is back at 3 s
     assert 0 < hit.failed["replica_died"] < len(generate(SMALL, 3, 0)) / 3
     assert max(f.done_at for f in hit.finished) > 3.0
+
+
+def test_what_a_dying_replica_held_is_resent_or_resumed_and_finishes_whole() -> None:
+    """The ingress's rule: a request its client had nothing of starts over, a stream goes on after the tokens its
+    client had, and each finishes with all its tokens; its TTFT is from its arrival to the first token its client
+    got, on whichever replica."""
+    faults = Faults(kill_at=0.5, kill_share=0.0, restart_after_s=1.0, squeeze_share=0.0)
+    lossy = run("round_robin", faults=faults, max_resends=0)
+    out = run("round_robin", faults=faults)
+    reqs = generate(SMALL, 3, 0)
+    assert sum(out.failed.values()) == 0 and len(out.finished) == len(reqs)
+    resends = out.resends
+    assert resends.resent + resends.resumed == lossy.failed["replica_died"] and resends.resumed > 0
+    resent = [f for f in out.finished if f.resent]
+    assert len(resent) == resends.resent + resends.resumed
+    assert sorted(f.output_tokens for f in out.finished) == sorted(r.output_tokens for r in reqs)
+    assert all(0 < f.ttft < f.done_at for f in resent)
 
 
 def test_a_router_sees_a_finish_only_when_it_happens() -> None:

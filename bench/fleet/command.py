@@ -23,11 +23,15 @@ from bench.fleet.sim import Faults, FleetSim, RunOutcome
 from bench.harness.machine import machine_line
 from bench.harness.report import Stamp, stamp_data, write_json
 from engine.config import EngineConfig
+from engine.serving.ray_serve.resend import MAX_RESENDS
 
 LOADS = {"near": 0.9, "above": 1.15}  # of the measured capacity
 CAPACITY_REQUESTS = 400  # a saturating burst: enough that its ramp and drain are small beside it
 PER_SEED = ("ttft_p50_ms", "ttft_p99_ms", "chat_ttft_p99_ms", "long_ttft_p99_ms", "out_tok_per_s", "completed")
 TOTALS = ("ooms", "failed", "preemptions")
+# with re-sends (--max-resends above 0; the runs before them, in bench/results/fleet/, have none of these keys)
+RESEND_PER_SEED = ("resent_ttft_p99_ms",)  # the requests a replica died under: what the re-sends cost them
+RESEND_TOTALS = ("lost", "resent", "resumed", "resend_prefill_tokens")
 
 
 def engine_config() -> EngineConfig:
@@ -44,8 +48,8 @@ def capacity(scenario: Scenario) -> float:
 
 
 def summarize(out: RunOutcome) -> dict[str, float]:
-    def p(kind: str | None, q: float) -> float:
-        ttft = [f.ttft for f in out.finished if kind is None or f.kind == kind]
+    def p(kind: str | None, q: float, resent: bool = False) -> float:
+        ttft = [f.ttft for f in out.finished if (kind is None or f.kind == kind) and (f.resent or not resent)]
         return round(1000 * float(np.percentile(ttft, q)), 1) if ttft else float("nan")
 
     start_to_end = max((f.done_at for f in out.finished), default=0.0) or 1.0
@@ -59,13 +63,21 @@ def summarize(out: RunOutcome) -> dict[str, float]:
         "ooms": out.ooms,
         "failed": sum(out.failed.values()),
         "preemptions": out.preemptions,
+        "resent_ttft_p99_ms": p(None, 99, resent=True),
+        "lost": out.failed.get("replica_died", 0),
+        "resent": out.resends.resent,
+        "resumed": out.resends.resumed,
+        "resend_prefill_tokens": out.resends.prefill_tokens,
     }
 
 
-def run_one(replicas: int, scenario: Scenario, faults: Faults | None, job: tuple[str, int]) -> dict[str, float]:
+def run_one(
+    replicas: int, scenario: Scenario, faults: Faults | None, max_resends: int, job: tuple[str, int]
+) -> dict[str, float]:
     router, seed = job
     t = time.perf_counter()
-    out = FleetSim(engine_config(), replicas, router, scenario, faults, seed).run(generate(scenario, replicas, seed))
+    sim = FleetSim(engine_config(), replicas, router, scenario, faults, seed, max_resends)
+    out = sim.run(generate(scenario, replicas, seed))
     return {**summarize(out), "wall_s": round(time.perf_counter() - t, 1)}
 
 
@@ -77,7 +89,10 @@ def fleet_doc(args: argparse.Namespace) -> dict[str, object]:
     faults = None if args.no_faults else Faults()
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     jobs = [(r, s) for r in args.routers for s in seeds]
-    run = partial(run_one, args.replicas, scenario, faults)
+    run = partial(run_one, args.replicas, scenario, faults, args.max_resends)
+    per_seed, totals = PER_SEED, TOTALS
+    if args.max_resends:
+        per_seed, totals = (*PER_SEED, *RESEND_PER_SEED), (*TOTALS, *RESEND_TOTALS)
     t = time.perf_counter()
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
@@ -86,25 +101,26 @@ def fleet_doc(args: argparse.Namespace) -> dict[str, object]:
         results = [run(j) for j in jobs]
     routers: dict[str, dict[str, object]] = {}
     for (router, _), res in zip(jobs, results, strict=True):
-        entry = routers.setdefault(router, {k: [] for k in (*PER_SEED, "wall_s")} | dict.fromkeys(TOTALS, 0))
-        for k in (*PER_SEED, "wall_s"):
+        entry = routers.setdefault(router, {k: [] for k in (*per_seed, "wall_s")} | dict.fromkeys(totals, 0))
+        for k in (*per_seed, "wall_s"):
             entry[k].append(res[k])  # type: ignore[union-attr]
-        for k in TOTALS:
+        for k in totals:
             entry[k] += res[k]  # type: ignore[operator]
     return {
         "replicas": args.replicas, "seeds": seeds, "load": args.load,
         "capacity_req_per_s_per_replica": round(cap, 3), "scenario": dataclasses.asdict(scenario),
         "faults": dataclasses.asdict(faults) if faults else None, "wall_s": round(time.perf_counter() - t, 1),
         "machine": machine_line(), "routers": routers,
-    }  # fmt: skip
+    } | ({"max_resends": args.max_resends} if args.max_resends else {})  # fmt: skip
 
 
 def _fleet(args: argparse.Namespace) -> int:
     stamp = Stamp("headroom")
     doc = stamp_data(fleet_doc(args), stamp)
     for name, r in doc["routers"].items():  # type: ignore[union-attr]
+        resends = f"  resent {r['resent']}  resumed {r['resumed']}  lost {r['lost']}" if "resent" in r else ""
         print(f"{name:18s} p50 {np.median(r['ttft_p50_ms']):8.1f} ms  p99 {np.median(r['ttft_p99_ms']):8.1f} ms  "
-              f"(median over seeds)  failed {r['failed']}  ooms {r['ooms']}")  # fmt: skip
+              f"(median over seeds)  failed {r['failed']}  ooms {r['ooms']}{resends}")  # fmt: skip
     if args.out:
         write_json(Path(args.out), doc)
         print(f"wrote {args.out}", file=sys.stderr)
@@ -139,6 +155,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--duration", type=float, default=Scenario.duration_s, help="seconds of arrivals")
     f.add_argument("--routers", type=_routers, default=list(ROUTERS), help=f"comma-separated: {','.join(ROUTERS)}")
     f.add_argument("--no-faults", action="store_true", help="no replica dies or loses memory")
+    f.add_argument(
+        "--max-resends", type=int, default=MAX_RESENDS,
+        help="as the fleet's ingress: a request whose replica died is sent to another this often (0: lost)",
+    )  # fmt: skip
     f.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     f.add_argument("--out", default=None, help="write the JSON here")
     f.set_defaults(func=_fleet)

@@ -30,6 +30,15 @@ class Counters:
     preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A request on a replica that died, and what its client had of it: tokens, and when the first came."""
+
+    req: FleetRequest
+    produced: list[int]
+    first_token_at: float | None
+
+
 @dataclass
 class SimReplica:
     cfg: EngineConfig
@@ -59,8 +68,9 @@ class SimReplica:
     def clock(self) -> float:
         return self.engine.now()
 
-    def submit(self, req: FleetRequest, now: float, system_tokens: int) -> str | None:
-        """Queue `req`; the reason it is refused (the server's 429 or 400), or None."""
+    def submit(self, req: FleetRequest, now: float, system_tokens: int, produced: list[int]) -> str | None:
+        """Queue `req`, resumed after the tokens its client has (`produced`); the reason it is refused (the
+        server's 429 or 400), or None."""
         engine = self.engine
         try:
             refuse_when_full(engine.stats().num_waiting, self.max_waiting)
@@ -69,7 +79,7 @@ class SimReplica:
         engine.advance_to(now)  # an idle device waits for the arrival; a busy one is past it
         params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True, temperature=0.0)
         try:
-            engine.add_request(f"r{req.index}", req.prompt_ids(system_tokens), params, req.arrival)
+            engine.add_request(f"r{req.index}", req.prompt_ids(system_tokens), params, req.arrival, produced)
         except RequestError:
             return "bad_request"
         self.inflight[req.index] = req
@@ -91,9 +101,9 @@ class SimReplica:
         snap = self.engine.stats()
         self.stats = routing_stats(snap, snap.num_waiting, snap.healthy, PrefillLoad.of(self.engine), now)
 
-    def die(self) -> list[FleetRequest]:
-        """The replica's process ends: what it held is lost (a 503, or an error event mid-stream)."""
-        lost = list(self.inflight.values())
+    def die(self, now: float) -> list[Cut]:
+        """The replica's process ends: what it held, each request with what its client has of it by `now`."""
+        lost = [self._cut(req, now) for req in self.inflight.values()]
         stats = self.engine.stats()
         self.past.ooms += stats.ooms
         self.past.preemptions += stats.preemptions
@@ -102,6 +112,15 @@ class SimReplica:
         self.up, self.stepping, self.stats = False, False, {"healthy": False}
         self.incarnation += 1
         return lost
+
+    def _cut(self, req: FleetRequest, now: float) -> Cut:
+        """`req` as its stream stands at `now`: the tokens it resumed with, and those of its steps that ended by
+        then (a step's tokens reach the client at its end)."""
+        seq = self.engine.requests.get(f"r{req.index}") or self.done[req.index]  # running, or its end not yet shown
+        resumed = len(seq.output_ids) - len(seq.token_times)
+        shown = sum(t <= now for t in seq.token_times)
+        first = seq.token_times[0] if shown and not resumed else None
+        return Cut(req, list(seq.output_ids[: resumed + shown]), first)
 
     def restart(self, now: float) -> None:
         self._start()

@@ -14,13 +14,13 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.fleet.command import PER_SEED, TOTALS
+from bench.fleet.command import PER_SEED, RESEND_PER_SEED, RESEND_TOTALS, TOTALS
 from bench.harness.report import Stamp, write_report
 
 TARGET = 1.3  # the issue's TTFT p99 ratio, default / headroom, at the median seed
 CANDIDATE = "headroom"
 HELD_OUT = 100  # seeds from here on were not run while a rule was chosen (`headroom bench fleet --first-seed 100`)
-SAME_RUN = ("capacity_req_per_s_per_replica", "scenario", "faults")  # what merged runs must share
+SAME_RUN = ("capacity_req_per_s_per_replica", "scenario", "faults", "max_resends")  # what merged runs must share
 
 
 def _seeds(seeds: list[int]) -> str:
@@ -40,25 +40,27 @@ def merge(docs: list[dict]) -> list[dict]:
     for doc in docs:
         key = (doc["replicas"], doc["load"], doc["seeds"][0] >= HELD_OUT)
         group = groups.setdefault(key, {**doc, "routers": {}, "commands": [], "wall_s": 0.0})
-        if any(group[k] != doc[k] for k in SAME_RUN):
+        if any(group.get(k) != doc.get(k) for k in SAME_RUN):
             raise ValueError(f"{doc['command']}: not the load and faults of {group['commands'][0]}")
         renamed = f" (a router renamed since: {doc['renamed']}, the same rule)" if "renamed" in doc else ""
         group["commands"].append(f"`{doc['command']}`{renamed}")
         group["wall_s"] = round(group["wall_s"] + doc["wall_s"], 1)
         for name, runs in doc["routers"].items():
-            entry = group["routers"].setdefault(name, {"seeds": [], **{k: [] for k in (*PER_SEED, "wall_s")}})
+            per_seed = [k for k in (*PER_SEED, *RESEND_PER_SEED, "wall_s") if k in runs]
+            entry = group["routers"].setdefault(name, {"seeds": [], **{k: [] for k in per_seed}})
             if set(entry["seeds"]) & set(doc["seeds"]):
                 raise ValueError(f"{name} ran seeds {doc['seeds']} twice at {key}")
             entry["seeds"] += doc["seeds"]
-            for k in (*PER_SEED, "wall_s"):
+            for k in per_seed:
                 entry[k] += runs[k]
-            for k in TOTALS:
+            for k in (k for k in (*TOTALS, *RESEND_TOTALS) if k in runs):
                 entry[k] = entry.get(k, 0) + runs[k]
     for group in groups.values():
         for entry in group["routers"].values():  # in seed order, whichever run a seed came from
             order = sorted(range(len(entry["seeds"])), key=entry["seeds"].__getitem__)
-            for k in ("seeds", *PER_SEED, "wall_s"):
-                entry[k] = [entry[k][i] for i in order]
+            for k in ("seeds", *PER_SEED, *RESEND_PER_SEED, "wall_s"):
+                if k in entry:
+                    entry[k] = [entry[k][i] for i in order]
         group["seeds"] = sorted({s for r in group["routers"].values() for s in r["seeds"]})
     return list(groups.values())
 
@@ -133,11 +135,33 @@ def table(doc: dict) -> list[str]:
             f"{_mw(r['chat_ttft_p99_ms'])} | {_mw(r['long_ttft_p99_ms'])} | {tok:.0f} | {r['preemptions']} | "
             f"{r['ooms']} | {r['failed']} |"
         )
+    lines += resend_table(doc)
     if {"default", CANDIDATE} <= set(doc["routers"]):
         ok, text = verdict(doc["routers"])
         judged = f"{'Meets' if ok else 'Misses'} the bar" if doc["load"] == "near" else "Above capacity (not judged)"
         lines += ["", f"{judged}: {text}."]
     return [*lines, "", *doc["commands"], ""]
+
+
+def resend_table(doc: dict) -> list[str]:
+    """What the ingress's re-sends did (runs with `--max-resends` above 0): totals over the seeds, and the TTFT p99
+    of the requests a replica died under, from their arrival to the first token their client got."""
+    if "max_resends" not in doc:
+        return []
+    lines = [
+        "",
+        f"Re-sends (at most {doc['max_resends']} a request), totals over the seeds:",
+        "",
+        "| router | lost | re-sent (nothing had reached the client) | resumed streams | prefill tokens re-sent "
+        "| TTFT p99 ms of those requests |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in doc["routers"].items():
+        lines.append(
+            f"| {name} | {r['lost']} | {r['resent']} | {r['resumed']} | {r['resend_prefill_tokens']:,} | "
+            f"{_mw(r['resent_ttft_p99_ms'])} |"
+        )
+    return lines
 
 
 def plot(docs: list[dict], path: Path) -> None:

@@ -18,9 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from bench.fleet.load import FleetRequest, Scenario
-from bench.fleet.replica import SimReplica
+from bench.fleet.replica import Cut, SimReplica
 from bench.fleet.routers import ROUTERS
 from engine.config import EngineConfig
+from engine.serving.ray_serve.resend import MAX_RESENDS, Attempts
 from telemetry.units import GIB as GiB
 
 STATS_PERIOD_S = 0.5  # engine/serving/ray_serve/launcher.py polls each replica's stats this often
@@ -47,9 +48,19 @@ class Faults:
 @dataclass
 class Finished:
     kind: str
-    ttft: float
+    ttft: float  # from its arrival to the first token its client got, on whichever replica
     output_tokens: int
     done_at: float
+    resent: bool  # a replica it was on died
+
+
+@dataclass
+class Resends:
+    """What the ingress's re-sends (engine/serving/ray_serve/resend.py) did in a run."""
+
+    resent: int = 0  # sent again from the start: nothing had reached the client
+    resumed: int = 0  # streams that went on elsewhere
+    prefill_tokens: int = 0  # prompt and resumed tokens the next replicas prefilled again
 
 
 @dataclass
@@ -59,6 +70,7 @@ class RunOutcome:
     ooms: int = 0
     preemptions: int = 0
     duration: float = 0.0
+    resends: Resends = field(default_factory=Resends)
 
     def fail(self, reason: str, n: int = 1) -> None:
         self.failed[reason] = self.failed.get(reason, 0) + n
@@ -66,9 +78,18 @@ class RunOutcome:
 
 class FleetSim:
     def __init__(
-        self, cfg: EngineConfig, replicas: int, router: str, scenario: Scenario, faults: Faults | None, seed: int
+        self,
+        cfg: EngineConfig,
+        replicas: int,
+        router: str,
+        scenario: Scenario,
+        faults: Faults | None,
+        seed: int,
+        max_resends: int = MAX_RESENDS,
     ) -> None:
-        self.scenario, self.faults = scenario, faults
+        self.scenario, self.faults, self.max_resends = scenario, faults, max_resends
+        self.attempts: dict[int, Attempts] = {}  # by request index: those a replica died under
+        self.first_token_at: dict[int, float] = {}  # the first token a resumed request's client got
         self.reps = [SimReplica(cfg, MAX_WAITING) for _ in range(replicas)]
         self.ongoing = [0] * replicas
         self.alive = [True] * replicas
@@ -138,7 +159,8 @@ class FleetSim:
                 return
             self.held.popleft()
             rep = self.reps[i]
-            refused = rep.submit(req, self._now, self.scenario.system_tokens)
+            attempts = self.attempts.get(req.index)
+            refused = rep.submit(req, self._now, self.scenario.system_tokens, attempts.token_ids if attempts else [])
             if refused:
                 self.out.fail(refused)
                 continue
@@ -171,7 +193,9 @@ class FleetSim:
         req, done = rep.finish(index)
         self.ongoing[i] -= 1
         self.inflight -= 1
-        self.out.finished.append(Finished(req.kind, done.token_times[0] - req.arrival, len(done.output_ids), self._now))
+        first = self.first_token_at.get(index, done.token_times[0])
+        resent = index in self.attempts
+        self.out.finished.append(Finished(req.kind, first - req.arrival, len(done.output_ids), self._now, resent))
         self._route_held()
 
     def _publish(self, i: int, incarnation: int) -> None:
@@ -215,12 +239,32 @@ class FleetSim:
 
     def _kill(self, i: int) -> None:
         rep = self.reps[i]
-        self.out.fail("replica_died", len(rep.die()))
+        cuts = rep.die(self._now)
         self.inflight -= self.ongoing[i]
         self.alive[i], self.ongoing[i] = False, 0
         self.router.replaced(i)
         restart = self.faults.restart_after_s if self.faults else 10.0
         self._push(self._now + restart, FAULT, i, RESTARTS)
+        if sum(self._resend(cut) for cut in cuts):
+            self._route_held()
+
+    def _resend(self, cut: Cut) -> bool:
+        """As the ingress does: the request again, through the router, resumed after what its client has; lost
+        past the bound (False)."""
+        attempts = self.attempts.setdefault(cut.req.index, Attempts(self.max_resends))
+        attempts.token_ids = cut.produced
+        if cut.first_token_at is not None:
+            self.first_token_at[cut.req.index] = cut.first_token_at
+        if not attempts.resend():
+            self.out.fail("replica_died")
+            return False
+        if attempts.resumes:
+            self.out.resends.resumed += 1
+        else:
+            self.out.resends.resent += 1
+        self.out.resends.prefill_tokens += cut.req.prompt_tokens + len(cut.produced)
+        self.held.append(cut.req)
+        return True
 
 
 @contextmanager

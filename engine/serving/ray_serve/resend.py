@@ -35,6 +35,13 @@ logger = logging.getLogger("headroom.ray")
 
 MAX_RESENDS = 2  # ServerConfig.max_resends' default
 ANSWER_PATHS = ("/v1/completions", "/v1/chat/completions")
+# A replica's 503 (or a stream's error event) saying it cannot finish the request: its engine stopped (a drain
+# on SIGTERM past --shutdown-grace, an unrecovered OOM) or ended the request. It is handed back, as if it had died.
+HANDED_BACK = frozenset({"engine_dead", "engine_error"})
+
+
+class HandedBack(Exception):
+    """A replica gave a request back (HANDED_BACK)."""
 
 
 @dataclass
@@ -98,17 +105,24 @@ class StreamRelay:
         self._opened = False  # the client has a chunk of this answer
         self._skipping = False  # a replica taking over from nothing: its chunks before the first token go
         self._pending = b""
+        self.handed_back = False  # the replica's last event gave the request back (HANDED_BACK)
 
     def take_over(self) -> None:
         """Another replica's events follow."""
         self._skipping = self._opened and not self.attempts.resumes
         self._pending = b""
+        self.handed_back = False
 
     def relay(self, data: bytes) -> bytes:
         """What to send the client of a replica's body bytes (whole events only; a partial one waits)."""
         self._pending += data
         *events, self._pending = self._pending.split(b"\n\n")
-        return b"".join(self._event(e) for e in events)
+        out = b""
+        for event in events:
+            out += self._event(event)
+            if self.handed_back:  # what follows is that replica's end; the next one's events take over
+                break
+        return out
 
     def _event(self, event: bytes) -> bytes:
         data = event.removeprefix(b"data: ")
@@ -116,7 +130,8 @@ class StreamRelay:
             return event + b"\n\n"
         chunk = json.loads(data)
         if "choices" not in chunk:  # an error event
-            return event + b"\n\n"
+            self.handed_back = _handed_back(chunk)
+            return b"" if self.handed_back else event + b"\n\n"
         if self._first is None:
             self._first = chunk.get("id"), chunk.get("created")
         chunk["id"], chunk["created"] = self._first
@@ -156,20 +171,23 @@ async def relay(
     request, ids_wanted = tracked(request)
     attempts = Attempts(bound)
     while True:
-        messages = send(request)
+        messages, replica = send(request), "unknown"
         try:
             start = await messages.__anext__()
+            replica = _replica(start)
             if _is_events(start):
                 break
             body = b"".join([m.get("body", b"") async for m in messages])  # nothing sent yet: a death here re-sends
+            if start["status"] == 503 and _handed_back(_loads(body)):
+                raise HandedBack(start["status"])
             response = Response(body, start["status"])
             response.raw_headers = _headers(start)  # the replica's, content-length included
             return response
-        except (*retryable, StopAsyncIteration) as e:
+        except (*retryable, StopAsyncIteration, HandedBack) as e:
             if not attempts.resend():
-                count("unknown", "lost")
+                count(replica, "lost")
                 return unavailable_response(type(e).__name__)
-            count("unknown", "resent")
+            count(replica, "resent")
     response = StreamingResponse(
         _Stream(send, request, retryable, StreamRelay(attempts, ids_wanted), count).events(messages, start),
         status_code=start["status"],
@@ -195,10 +213,14 @@ class _Stream:
                 try:
                     async for message in messages:
                         yield self.relay.relay(message.get("body", b""))
+                        if self.relay.handed_back:
+                            raise HandedBack(_replica(start))
                     ended = True
                     return
-                except self.retryable as e:
+                except (*self.retryable, HandedBack) as e:
                     logger.warning("replica %s died mid-stream: %s", _replica(start), type(e).__name__)
+                    if isinstance(e, HandedBack):  # alive: what it still has to say is no one's
+                        messages.cancel()
                     messages, start, refusal = await self._take_over(start, type(e).__name__)
                 if refusal is not None:
                     ended = True
@@ -225,9 +247,25 @@ class _Stream:
                 died, error = "unknown", type(e).__name__
                 continue
             if start["status"] != 200:  # refused there (a full queue's 429): its error ends the stream
-                body = b"".join([m.get("body", b"") async for m in messages])
-                return None, start, _events(json.loads(body))
+                body = _loads(b"".join([m.get("body", b"") async for m in messages]))
+                if start["status"] == 503 and _handed_back(body):
+                    died, error = _replica(start), "HandedBack"
+                    continue
+                return None, start, _events(body)
             return messages, start, None
+
+
+def _loads(body: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _handed_back(doc: dict[str, Any]) -> bool:
+    error = doc.get("error")
+    return isinstance(error, dict) and error.get("code") in HANDED_BACK
 
 
 def _events(error: dict[str, Any]) -> bytes:
