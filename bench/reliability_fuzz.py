@@ -67,8 +67,9 @@ def run_fuzz(workdir: Path, max_examples: int, seed: int, phases: str | None = N
     )
 
 
-# Rules that tie two fields (or a field to the model's context) together: JSON Schema cannot state them, so
-# a schema-valid request can break one and get its 400, as from vLLM and OpenAI. Matched on the error body.
+# Rules that tie two fields (or a field to the model's context, or to how the server was started) together: JSON
+# Schema cannot state them, so a schema-valid request can break one and get its 400, as from vLLM and OpenAI.
+# Matched on the error body.
 CROSS_FIELD_RULES = {
     "context_length_exceeded": "prompt + max_tokens over the context",
     "min_tokens must not exceed max_tokens": "min_tokens > max_tokens",
@@ -85,6 +86,12 @@ CROSS_FIELD_RULES = {
     "answers without prompt logprobs": "use_beam_search with prompt logprobs",
     "cannot both be true": "continue_final_message with add_generation_prompt",
     "cannot render the chat template": "a chat template (a program) that fails on the conversation",
+    "tool choice needs the server started with": "tool_choice auto on a server without --tool-call-parser",
+    "structured outputs need the model's tokenizer": "a structured output on the twin, which has no tokenizer",
+    # a stream resumed by the fleet's ingress (engine/serving/ray_serve/resend.py)
+    "stream of one choice without echo or prompt logprobs resumes": "resume on an answer that cannot resume",
+    "does not resume": "resume with tools or a structured output",
+    "resumed with": "resume with as many tokens as the request may make",
 }
 ST202 = "ST202"
 

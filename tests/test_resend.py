@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.responses import StreamingResponse
 from starlette.types import Message
 
 from engine.serving.ray_serve.forwarding import REPLICA_HEADER, ForwardedRequest
@@ -77,7 +78,7 @@ class Fleet:
             request = ForwardedRequest("POST", path, b"", ((b"content-type", b"application/json"),), raw,
                                        size_prompt(raw))  # fmt: skip
             response = await relay(self.send, request, (Died,), bound, self.count)
-            if hasattr(response, "body_iterator"):
+            if isinstance(response, StreamingResponse):
                 return response.status_code, b"".join([chunk async for chunk in response.body_iterator])
             return response.status_code, response.body
 

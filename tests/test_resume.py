@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.serving.protocol import RESUMABLE_HEADER
+from engine.serving.answer_bodies import RESUMABLE_HEADER
 from tests.test_model_families import served
 from tests.tiny_families import build
 

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from engine.core.sampling_params import ParamError, StructuredOutput
 from engine.frontend.bad_words import bad_words_token_ids
 from engine.frontend.output_processor import Resume
+from engine.serving import answer_bodies as bodies
 from engine.serving import protocol as p
 from engine.serving.beam_search import search
 from engine.serving.choices import Choice, ChoiceUpdates, submit
@@ -59,7 +60,7 @@ class _AbortOnClose(StreamingResponse):
     """An SSE response that ends its requests however the response ends (client gone, error, shutdown)."""
 
     def __init__(self, content: AsyncIterator[str], close: Callable[[], None], resumable: bool) -> None:
-        headers = {"Cache-Control": "no-cache"} | ({p.RESUMABLE_HEADER: "1"} if resumable else {})
+        headers = {"Cache-Control": "no-cache"} | ({bodies.RESUMABLE_HEADER: "1"} if resumable else {})
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self._close = close
 
@@ -85,20 +86,20 @@ class _Endpoint:
 def _completion_deltas(index: int, text: str, logprobs: dict | None, reason: str | None) -> list[dict[str, Any]]:
     if not text and logprobs is None and reason is None:
         return []
-    return [p.completion_choice(index, text, logprobs, reason)]
+    return [bodies.completion_choice(index, text, logprobs, reason)]
 
 
 def _chat_deltas(index: int, text: str, logprobs: dict | None, reason: str | None) -> list[dict[str, Any]]:
-    out = [p.chat_delta(index, {"content": text}, logprobs, None)] if text or logprobs is not None else []
+    out = [bodies.chat_delta(index, {"content": text}, logprobs, None)] if text or logprobs is not None else []
     if reason is not None:
-        out.append(p.chat_delta(index, {}, None, reason))
+        out.append(bodies.chat_delta(index, {}, None, reason))
     return out
 
 
 COMPLETIONS = _Endpoint(
-    "cmpl", "text_completion", "text_completion", CompletionLogprobs, p.completion_choice, _completion_deltas
+    "cmpl", "text_completion", "text_completion", CompletionLogprobs, bodies.completion_choice, _completion_deltas
 )
-CHAT = _Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", ChatLogprobs, p.chat_choice, _chat_deltas)
+CHAT = _Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", ChatLogprobs, bodies.chat_choice, _chat_deltas)
 
 
 @dataclass(frozen=True)
@@ -143,11 +144,11 @@ class _Answer:
                  prompts: list[Prompt], shape: _Shape, structured: StructuredOutput | None = None) -> None:  # fmt: skip
         self.ctx, self.req, self.endpoint, self.prompts, self.shape = ctx, req, endpoint, prompts, shape
         self.structured = structured  # the grammar every choice keeps to (engine/core/structured.py)
-        self.rid = f"{endpoint.id_prefix}-{req.request_id}" if req.request_id else p.new_id(endpoint.id_prefix)
-        self.created, self.name = p.now(), req.model or ctx.model_name
+        self.rid = f"{endpoint.id_prefix}-{req.request_id}" if req.request_id else bodies.new_id(endpoint.id_prefix)
+        self.created, self.name = bodies.now(), req.model or ctx.model_name
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        return p.usage(sum(len(prompt.ids) for prompt in self.prompts), completion_tokens)
+        return bodies.usage(sum(len(prompt.ids) for prompt in self.prompts), completion_tokens)
 
     def body(self, results: list[_Result], completion_tokens: int) -> JSONResponse:
         shape, endpoint = self.shape, self.endpoint
@@ -171,7 +172,7 @@ class _Answer:
                 if endpoint is COMPLETIONS:
                     choice["prompt_token_ids"] = self.prompts[r.index // self.req.n].ids
             choices.append(choice)
-        body = p.envelope(self.rid, self.created, self.name, endpoint.body_object, choices)
+        body = bodies.envelope(self.rid, self.created, self.name, endpoint.body_object, choices)
         if endpoint is CHAT and shape.prompt_logprobs is not None and results:
             body["prompt_logprobs"] = prompt_logprobs(results[0].prompt_logprobs or [])
         if endpoint is CHAT and self.req.return_token_ids:
@@ -239,7 +240,7 @@ class _Answer:
         return self.body(results, sum(len(b.token_ids) for beams in found for b in beams))
 
     def _chunk(self, choices: list[dict[str, Any]]) -> str:
-        body = p.envelope(self.rid, self.created, self.name, self.endpoint.chunk_object, choices)
+        body = bodies.envelope(self.rid, self.created, self.name, self.endpoint.chunk_object, choices)
         return _sse({**body, "usage": None} if self.req.include_usage else body)
 
     def _opening(self, choice: Choice) -> list[str]:
@@ -247,8 +248,10 @@ class _Answer:
         if self.endpoint is not CHAT:
             return []
         echo = self.prompts[choice.index // self.req.n].echo
-        chunks = [self._chunk([p.chat_delta(choice.index, {"role": self.shape.role, "content": ""}, None, None)])]
-        return chunks + ([self._chunk([p.chat_delta(choice.index, {"content": echo}, None, None)])] if echo else [])
+        chunks = [self._chunk([bodies.chat_delta(choice.index, {"role": self.shape.role, "content": ""}, None, None)])]
+        return chunks + (
+            [self._chunk([bodies.chat_delta(choice.index, {"content": echo}, None, None)])] if echo else []
+        )
 
     async def events(self, updates: ChoiceUpdates) -> AsyncIterator[str]:
         shape, echoed = self.shape, set()
@@ -277,7 +280,7 @@ class _Answer:
                     yield self._chunk([choice])
             if self.req.include_usage:
                 tokens = sum(c.handle.num_tokens for c in updates.choices)
-                body = p.envelope(self.rid, self.created, self.name, self.endpoint.chunk_object, [])
+                body = bodies.envelope(self.rid, self.created, self.name, self.endpoint.chunk_object, [])
                 yield _sse({**body, "usage": self.usage(tokens)})
         except APIError as e:
             yield _sse(error_body(e.message, e.type, e.param, e.code))
@@ -313,7 +316,7 @@ async def _collect(updates: ChoiceUpdates, request: Request) -> dict[int, list[L
 async def models(ctx: Ctx) -> dict[str, Any]:
     info = ctx.engine.info
     cards = [
-        p.ModelCard(id=name, root=info.model_root, max_model_len=info.max_model_len).model_dump()
+        bodies.ModelCard(id=name, root=info.model_root, max_model_len=info.max_model_len).model_dump()
         for name in ctx.served_names
     ]
     return {"object": "list", "data": cards}

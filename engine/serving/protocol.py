@@ -1,4 +1,5 @@
-"""Request models and response bodies of the OpenAI completions and chat APIs, with vLLM's extensions.
+"""Request models of the OpenAI completions and chat APIs, with vLLM's extensions (their answers' bodies:
+engine/serving/answer_bodies.py).
 
 Requests are validated strictly: a token id is an integer (not `false`, not `1.5`), a number is not a
 string. So /openapi.json, which these models generate, says what the server accepts.
@@ -14,8 +15,6 @@ declared in engine/serving/structured_fields.py and engine/serving/tools.py.
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
@@ -86,9 +85,6 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-
-
-RESUMABLE_HEADER = "x-headroom-resumable"  # on a stream the fleet's ingress may resume on another replica
 
 
 class ResumeFields(Strict):
@@ -365,49 +361,3 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-# ---- responses ---------------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def envelope(rid: str, created: int, model: str, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    """What every body and chunk of one answer shares."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-
-
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_delta(index: int, delta: dict[str, str], logprobs: dict | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "headroom"
-    root: str | None = None  # the model behind the name
-    max_model_len: int | None = None

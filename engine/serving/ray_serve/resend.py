@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message
 
-from engine.serving.protocol import RESUMABLE_HEADER
+from engine.serving.answer_bodies import RESUMABLE_HEADER
 from engine.serving.ray_serve.forwarding import (
     EVENT_STREAM,
     REPLICA_HEADER,
@@ -69,8 +69,8 @@ class Attempts:
 def tracked(request: ForwardedRequest) -> tuple[ForwardedRequest, bool]:
     """The request as the ingress forwards it, and whether its client asked for token ids itself: a stream of an
     answer endpoint asks for them (vLLM's `return_token_ids`), so the ingress knows which tokens the client has."""
-    body = _json(request)
-    if body is None or request.path not in ANSWER_PATHS or body.get("stream") is not True:
+    body = _loads(request.body)
+    if request.path not in ANSWER_PATHS or body.get("stream") is not True:
         return request, False
     wanted = body.get("return_token_ids") is True
     return replace(request, body=json.dumps(body | {"return_token_ids": True}).encode()), wanted
@@ -80,17 +80,9 @@ def next_try(request: ForwardedRequest, attempts: Attempts) -> ForwardedRequest:
     """The request to send again: as it was, or resumed from what the client has."""
     if not attempts.resumes:
         return request
-    body = _json(request) or {}
+    body = _loads(request.body)
     resume = {"token_ids": attempts.token_ids, "text_sent": attempts.text_sent}
     return replace(request, body=json.dumps(body | {"resume": resume}).encode())
-
-
-def _json(request: ForwardedRequest) -> dict[str, Any] | None:
-    try:
-        body = json.loads(request.body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return body if isinstance(body, dict) else None
 
 
 class StreamRelay:
@@ -154,7 +146,7 @@ class StreamRelay:
             chunk.pop("prompt_token_ids", None)
 
 
-class Resends(Protocol):
+class ResendCounter(Protocol):
     """Where the ingress counts what it did for a request whose replica died (its /metrics)."""
 
     def __call__(self, replica: str, outcome: str) -> None: ...  # outcome: resent, resumed or lost
@@ -164,7 +156,7 @@ Send = Callable[[ForwardedRequest], Any]  # a request -> the replica's ASGI mess
 
 
 async def relay(
-    send: Send, request: ForwardedRequest, retryable: tuple[type[BaseException], ...], bound: int, count: Resends
+    send: Send, request: ForwardedRequest, retryable: tuple[type[BaseException], ...], bound: int, count: ResendCounter
 ) -> Response:
     """The client's answer to `request`, sent again (at most `bound` times) wherever its replica dies: a 503 past
     the bound before the answer began, an error event past it in a stream."""
@@ -204,7 +196,7 @@ class _Stream:
     request: ForwardedRequest
     retryable: tuple[type[BaseException], ...]
     relay: StreamRelay
-    count: Resends
+    count: ResendCounter
 
     async def events(self, messages: Any, start: Message) -> AsyncIterator[bytes]:
         ended = False
