@@ -388,6 +388,13 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         300,
     ),
     Experiment(
+        "bandwidth_bound",
+        ("python -m bench.bandwidth_bound --out {out}/bandwidth_bound.md",),
+        ("bandwidth_bound.md", "bandwidth_bound.json"),
+        "cpu",
+        60,
+    ),
+    Experiment(
         "family_speed",
         ("python -m bench.family_speed --rounds 10 --steps 32 --out {out}/family_speed.md",),
         ("family_speed.md", "family_speed.json"),

@@ -5,7 +5,7 @@ import torch
 from torch import Generator
 
 from engine.core.batch import ScheduledItem
-from engine.core.sampler import Sampler, TokenCounts, apply_penalties, invert_cdf, mask_tokens, seed_for
+from engine.core.sampler import Sampler, TokenCounts, apply_penalties, argmax_rows, invert_cdf, mask_tokens, seed_for
 from engine.core.sampling_params import ParamError, SamplingParams
 from engine.core.sequence import Sequence as Request
 
@@ -264,3 +264,13 @@ def test_seeded_draws_on_cuda_are_the_cpus() -> None:
     mixes += [SamplingParams(temperature=0.7, seed=s) for s in range(16)]
     positions = list(range(64))
     assert Sampler().sample(x.cuda(), mixes, positions) == Sampler().sample(x, mixes, positions)
+
+
+def test_the_cpu_argmax_is_torchs_with_ties_and_nans() -> None:
+    """Greedy rows take numpy's argmax on the CPU: the first largest index, a NaN the largest, as torch's."""
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    x[:, 3] = x.max(dim=-1).values  # a tie with a later column
+    x[1, 10], x[1, 20] = float("nan"), float("nan")
+    x[2, :] = float("-inf")
+    assert argmax_rows(x) == x.argmax(dim=-1).tolist()
+    assert argmax_rows(x[::2]) == x[::2].argmax(dim=-1).tolist()  # strided rows

@@ -203,6 +203,14 @@ def draw_by_path(
     return torch.cat(picks)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's first largest index, as torch's argmax gives it. On the CPU numpy's: torch's reduction over one
+    row of a vocabulary takes about 20x as long, a few percent of a one-stream decode step."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class Sampler:
     def __init__(self, seed: int | None = None, plain: PlainDraw = draw_plain) -> None:
         self._plain = plain
@@ -230,7 +238,7 @@ class Sampler:
         rand = [i for i, p in enumerate(params) if not p.greedy and p.top_k != 1]
         rand.sort(key=lambda i: _path(params[i]))
         if not rand:
-            return logits.argmax(dim=-1).tolist()
+            return argmax_rows(logits)
         # the argmax, the row gather and the temperature each pass over [rows, vocab]: only where needed
         greedy = sorted(set(range(len(params))) - set(rand))
         out = torch.zeros(len(params), dtype=torch.long, device=logits.device)
