@@ -21,6 +21,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from gguf import GGUFReader
 
 from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 READ_MIB = 256  # per core: well past the last-level cache
 READ_PASSES = 8
@@ -71,7 +75,7 @@ def read_bandwidth(cores: list[int]) -> float:
     return sum(rates)
 
 
-def step_seconds(llm: object, input_len: int, output_len: int) -> float:
+def step_seconds(llm: LLM, input_len: int, output_len: int) -> float:
     """One stream's seconds per decode step: (a run of `output_len` + 1 tokens - a run of 1) / `output_len`."""
     from engine.core.sampling_params import SamplingParams
 
@@ -79,7 +83,7 @@ def step_seconds(llm: object, input_len: int, output_len: int) -> float:
 
     def run(tokens: int) -> float:
         start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))  # type: ignore[attr-defined]
+        llm.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
         return time.perf_counter() - start
 
     return (run(output_len + 1) - run(1)) / output_len

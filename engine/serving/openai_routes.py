@@ -211,7 +211,7 @@ class _Answer:
         resume = self.req.resume
         if resume is None:
             return None
-        if self.shape.tools is not None or self.structured is not None:
+        if not self.resumable:  # the request's own rules held (check_rules): tools or a grammar are left
             raise bad_request("a stream with tools or a structured output does not resume", "resume")
         return Resume(tuple(resume.token_ids), resume.text_sent)
 
