@@ -51,6 +51,14 @@ def decode_step_bytes(gguf: Path, kv_tokens: int, kv_itemsize: int) -> tuple[int
     return weights, kv
 
 
+def default_kv_dtype() -> torch.dtype:
+    """The KV dtype `headroom serve --model default` stores on this CPU: the `auto` choices on the C++ kernel."""
+    from engine.model.dtype_choice import choose_dtype, choose_kv_dtype
+
+    model = choose_dtype("auto", torch.device("cpu")).dtype
+    return choose_kv_dtype("auto", model, True, "cpu").dtype
+
+
 def _read(core: int, ready: mp.Barrier, out: mp.Queue) -> None:  # type: ignore[type-arg]
     os.sched_setaffinity(0, {core})
     a = np.ones(READ_MIB * 2**20 // 8, dtype=np.int64)  # int64 adds: numpy's float32 sum is slower than the reads
@@ -97,12 +105,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from engine.llm import LLM
-    from engine.model.dtype_choice import choose_dtype
     from engine.model.loaders import default_model_path
 
     stamp, load_before = Stamp("python -m bench.bandwidth_bound"), load_average()
     cores = sorted(os.sched_getaffinity(0))
-    kv_dtype = choose_dtype("auto", torch.device("cpu")).dtype
+    kv_dtype = default_kv_dtype()
     gguf = default_model_path()
     weights, kv = decode_step_bytes(gguf, args.input_len + args.output_len // 2, kv_dtype.itemsize)
     llm = LLM("default")

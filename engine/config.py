@@ -88,6 +88,11 @@ class EngineConfig(_Config):
     dtype: str = _opt(
         "auto", "weights and KV dtype; auto: bf16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, else float32", DTYPES
     )
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache dtype; auto: the model's, except float16 where the CPU kernel runs an auto-chosen float32 "
+        "model (half the KV bytes read a step and half its RSS); another dtype than the model's: float16 on the "
+        "CPU kernel only", DTYPES,
+    )  # fmt: skip
     quantization: str = _opt(
         "auto",
         "linear weights; auto: a GGUF's Q8_0/Q4_0/Q4_1 weights served as they ship where the CPU kernels "

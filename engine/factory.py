@@ -94,6 +94,7 @@ def _plain_backend(cfg: EngineConfig) -> Backend:
     kwargs = {
         "model": cfg.model,
         "dtype": cfg.dtype,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         "device": cfg.device,
         "quantization": cfg.quantization,
         "num_blocks": cfg.num_blocks,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.dtype_choice import CpuFacts, choose_dtype, read_cpu_facts
+from engine.model.dtype_choice import CpuFacts, choose_dtype, choose_kv_dtype, read_cpu_facts
 
 CPU = torch.device("cpu")
 XEON_AMX = CpuFacts("Intel Xeon Platinum 8480+", frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}), True, None)
@@ -81,3 +81,25 @@ def test_the_avx2_cap_hides_avx512_and_amx(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("HEADROOM_CPU_ISA", "avx512")
     with pytest.raises(ValueError, match="HEADROOM_CPU_ISA='avx512': use one of native, avx2"):
         read_cpu_facts(cpuinfo)
+
+
+@pytest.mark.parametrize(
+    ("requested", "model", "model_auto", "attention", "kv"),
+    [
+        ("auto", torch.float32, True, "cpu", torch.float16),  # an AVX2 CPU: fp32 compute, fp16 KV
+        ("auto", torch.float32, False, "cpu", torch.float32),  # --dtype float32 asked for fp32 throughout
+        ("auto", torch.float32, True, "sdpa", torch.float32),  # plain torch attends in the cache's dtype
+        ("auto", torch.bfloat16, True, "cpu", torch.bfloat16),
+        ("float16", torch.bfloat16, True, "cpu", torch.float16),
+        ("float32", torch.float32, True, "cpu", torch.float32),
+        ("bfloat16", torch.bfloat16, False, "flash", torch.bfloat16),
+    ],
+)
+def test_the_kv_dtype(requested, model, model_auto, attention, kv):
+    assert choose_kv_dtype(requested, model, model_auto, attention).dtype == kv
+
+
+@pytest.mark.parametrize(("requested", "attention"), [("float16", "sdpa"), ("bfloat16", "cpu"), ("float32", "cpu")])
+def test_a_kv_dtype_the_kernel_cannot_convert_to_is_refused(requested, attention):
+    with pytest.raises(ValueError, match="needs the CPU attention kernel"):
+        choose_kv_dtype(requested, torch.float16 if requested != "float16" else torch.float32, False, attention)

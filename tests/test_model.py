@@ -56,12 +56,13 @@ def dense_reference(
     return (weights @ v).transpose(0, 1)
 
 
-def ragged_case(dtype: torch.dtype, seed: int = 0, hd: int = HD):
+def ragged_case(dtype: torch.dtype, seed: int = 0, hd: int = HD, cache_dtype: torch.dtype | None = None):
     """Sequences as (cached prefix, new tokens): prefills, chunked prefills and decodes of various
-    lengths, on shuffled blocks, with the prefixes already in the cache."""
+    lengths, on shuffled blocks, with the prefixes already in the cache (of `cache_dtype`, default `dtype`)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    k_cache, v_cache = allocate_kv_cache(ModelConfig(100, H * hd, 64, 1, H, KVH, hd), NUM_BLOCKS, BS, dtype, "cpu")[0]
+    cfg = ModelConfig(100, H * hd, 64, 1, H, KVH, hd)
+    k_cache, v_cache = allocate_kv_cache(cfg, NUM_BLOCKS, BS, cache_dtype or dtype, "cpu")[0]
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     seqs = []
@@ -111,6 +112,24 @@ def test_paged_attention_matches_dense_reference(backend: str, hd: int, spec_nam
         # the new tokens' K/V landed in their slots
         p = prefix + new - 1
         assert torch.equal(kv[0][table[p // BS], p % BS], k[p])
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@pytest.mark.parametrize("hd", [16, 64, 128])
+def test_an_fp16_cache_beside_fp32_activations_attends_over_the_rounded_keys(hd: int, spec_name: str) -> None:
+    """`--kv-cache-dtype float16` on the C++ kernel: K and V are stored rounded to fp16 as torch rounds them,
+    and attention is the fp32 reference over those rounded keys and values, the same alone and batched."""
+    require_cpu_kernels()
+    kv, seqs = ragged_case(torch.float32, seed=2, hd=hd, cache_dtype=torch.float16)
+    spec = spec_of(spec_name, hd)
+    for out, seq in zip(run_batch(kv, seqs, "cpu", spec), seqs, strict=True):
+        prefix, new, table, q, k, v = seq
+        rounded = dense_reference(q, k.half().float(), v.half().float(), new, spec)
+        torch.testing.assert_close(out.double(), rounded, atol=1e-5, rtol=1e-5)
+        p = prefix + new - 1
+        assert torch.equal(kv[0][table[p // BS], p % BS], k[p].half())
+        assert torch.equal(kv[1][table[p // BS], p % BS], v[p].half())
+        assert torch.equal(out, run_batch(kv, [seq], "cpu", spec)[0])
 
 
 @pytest.mark.parametrize("spec_name", SPECS)
@@ -278,6 +297,27 @@ def test_logits_only_for_sampled_rows(tiny_backend: TorchBackend, monkeypatch: p
     monkeypatch.setattr(tiny_backend.model, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
     generate(tiny_backend, tiny_prompts(tiny_backend)[:3], 2, chunk=8)
     assert max(rows) <= 3
+
+
+def test_an_fp16_kv_cache_halves_the_pool_and_keeps_generation_batch_invariant(tiny) -> None:
+    """fp32 compute with `--kv-cache-dtype float16` on the C++ kernels: the pool is fp16 (half the bytes), and
+    a prompt's greedy tokens are the same alone, batched, chunked and recomputed after a preemption."""
+    require_cpu_kernels()
+    fp16 = TorchBackend(str(tiny.hf_dir), dtype="float32", device="cpu", num_blocks=64, kv_cache_dtype="float16")
+    fp32 = TorchBackend(str(tiny.hf_dir), dtype="float32", device="cpu", num_blocks=64)
+    assert {t.dtype for kv in fp16.kv_caches for t in kv} == {torch.float16}
+    assert {t.dtype for kv in fp32.kv_caches for t in kv} == {torch.float32}
+    assert fp16.block_bytes * 2 == fp32.block_bytes
+    assert "KV float16 (requested)" in fp16.info().dtype
+    prompts = tiny_prompts(fp16)[:4]
+    alone = [generate(fp16, [p], 10)[0] for p in prompts]
+    assert generate(fp16, prompts, 10, chunk=7, preempt_at=4) == alone
+
+
+def test_a_kv_dtype_of_its_own_needs_the_cpu_kernel(tiny) -> None:
+    with pytest.raises(ValueError, match="needs the CPU attention kernel"):
+        TorchBackend(str(tiny.hf_dir), dtype="float32", device="cpu", num_blocks=8, attention="sdpa",
+                     kv_cache_dtype="float16")  # fmt: skip
 
 
 def test_backend_attributes(tiny_backend: TorchBackend, tiny) -> None:

@@ -51,11 +51,22 @@ def llama_server(work: Path, isa: str = "native") -> Path:
     return binary
 
 
+def amx_repack_crashes(isa: str) -> bool:
+    """A native build on a CPU with AMX-INT8 runs Q4_1 through ggml's AMX buffer type, the only layout it
+    repacks Q4_1 into on x86, and this llama.cpp crashes there at the first step (SIGSEGV in
+    ggml_backend_amx_mul_mat, a Xeon with amx_int8): such a build must run with --no-repack, which turns off
+    that path alone."""
+    cpuinfo = Path("/proc/cpuinfo")  # the CPU's own flags: an ISA cap hides AMX from Headroom, not from this build
+    return isa == "native" and cpuinfo.exists() and "amx_int8" in cpuinfo.read_text().split()
+
+
 def llama_server_argv(
-    binary: Path, gguf: Path, port: int, name: str, threads: int, slots: int, context: int
+    binary: Path, gguf: Path, port: int, name: str, threads: int, slots: int, context: int, isa: str
 ) -> list[str]:
-    """Continuous batching over `slots` parallel slots sharing a `context`-token KV cache (f16, its default)."""
+    """Continuous batching over `slots` parallel slots sharing a `context`-token KV cache (f16, its default),
+    for the build of `isa`."""
     return [
         str(binary), "-m", str(gguf), "--alias", name, "--host", "127.0.0.1", "--port", str(port),
         "-t", str(threads), "-np", str(slots), "-c", str(context), "--cont-batching",
+        *(["--no-repack"] if amx_repack_crashes(isa) else []),
     ]  # fmt: skip

@@ -29,7 +29,7 @@ from engine.model.cuda_graphs import (
     decode_graph_kernel,
     decode_inputs,
 )
-from engine.model.dtype_choice import choose_dtype
+from engine.model.dtype_choice import choose_dtype, choose_kv_dtype
 from engine.model.kernel_choice import KernelChoice, choose_kernel
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
@@ -72,6 +72,7 @@ class TorchBackend(BackendDefaults):
         model: str | LoadedModel = "default",
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = "auto",
+        kv_cache_dtype: str = "auto",
         quantization: str = "auto",
         num_blocks: int | None = None,
         block_size: int | None = None,
@@ -87,7 +88,8 @@ class TorchBackend(BackendDefaults):
     ) -> None:
         """model: a spec for engine/model/loaders (`default`, a GGUF file, an HF directory), or a model already
         loaded in this dtype on this device (engine/model/loaders/random_model.py). dtype `auto`:
-        engine/model/dtype_choice.py; `dtype_reason` says why. `quantization` (auto, none or a GGUF type):
+        engine/model/dtype_choice.py; `dtype_reason` says why, and `kv_reason` why the KV cache holds `kv_dtype`
+        (`kv_cache_dtype`: auto or a dtype; `choose_kv_dtype`). `quantization` (auto, none or a GGUF type):
         engine/model/quant.py `choose_quantization`; `quant_reason` says why. `attention` and `block_size` None:
         engine/model/kernel_choice.py (on the CPU the C++ kernels, `_use_kernels`; flash-attn with 256-token
         blocks where it runs; else sdpa, plain torch, with 16); `kernel_reason` says why.
@@ -113,8 +115,10 @@ class TorchBackend(BackendDefaults):
         self._load(model, quantization, model_cache, shard)
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self._use_kernels(kernel, attention)
+        kv_choice = choose_kv_dtype(kv_cache_dtype, self.dtype, dtype == "auto", self.attention)
+        self.kv_dtype, self.kv_reason = kv_choice.dtype, kv_choice.reason
         self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
-        kv = allocate_pool(self.config, self.block_size, self.dtype, self.device, self.num_blocks, capacity)
+        kv = allocate_pool(self.config, self.block_size, self.kv_dtype, self.device, self.num_blocks, capacity)
         self.kv_arena, self.kv_caches, self.kv_layout = kv
         # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
         # the memory the pool gave back (and count against a cgroup or --device-memory limit).
@@ -199,7 +203,7 @@ class TorchBackend(BackendDefaults):
     @property
     def block_bytes(self) -> int:
         """Device bytes of one KV block, all layers (a pool in virtual memory maps whole granules of them)."""
-        return kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        return kv_cache_bytes_per_block(self.config, self.block_size, self.kv_dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -207,7 +211,8 @@ class TorchBackend(BackendDefaults):
 
     def info(self) -> BackendInfo:
         return BackendInfo(
-            dtype=f"{str(self.dtype).removeprefix('torch.')} ({self.dtype_reason})",
+            dtype=f"{str(self.dtype).removeprefix('torch.')} ({self.dtype_reason}); KV "
+            f"{str(self.kv_dtype).removeprefix('torch.')} ({self.kv_reason})",
             quantization=self.quant_reason,
             attention=f"{self.attention}, block size {self.block_size} ({self.kernel_reason})",
             kv_pool=self.kv_layout,
@@ -274,7 +279,7 @@ class TorchBackend(BackendDefaults):
         return time.perf_counter() - t0
 
     def _default_num_blocks(self, capacity: int | None, fraction: float) -> int:
-        per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        per_block = self.block_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             available = free if capacity is None else capacity - torch.cuda.memory_allocated(self.device)

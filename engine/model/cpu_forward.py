@@ -55,6 +55,7 @@ class Step(ctypes.Structure):
         *((name, ctypes.c_int64) for name in (*_I64, "table_row")),
         ("eps", ctypes.c_float),
         ("bf16", ctypes.c_int32),
+        ("kv_f16", ctypes.c_int32),
         ("threads", ctypes.c_int32),
         ("gelu", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in (*_POINTERS, *SCRATCH)),
@@ -121,7 +122,8 @@ class FusedLayers:
         tables = meta.block_tables
         step = Step(
             tokens=tokens, block_size=meta.block_size, table_row=tables.stride(0), eps=self.model.cfg.rms_norm_eps,
-            bf16=x.dtype == torch.bfloat16, threads=torch.get_num_threads(), gelu=self.gelu,
+            bf16=x.dtype == torch.bfloat16, kv_f16=kv_caches[0][0].dtype == torch.float16,
+            threads=torch.get_num_threads(), gelu=self.gelu,
             positions=positions.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), cos_local=cos_local.data_ptr(),
             sin_local=sin_local.data_ptr(), slots=meta.slot_mapping.data_ptr(), tables=tables.data_ptr(),
             token_seq=token_seq.data_ptr(), token_ctx=token_ctx.data_ptr(), layer=ctypes.addressof(self.layers),

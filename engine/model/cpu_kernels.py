@@ -58,8 +58,8 @@ logger = logging.getLogger("headroom.cpu_kernels")
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "headroom_paged_attention": [
-        _i32, _p, _i64, _p, _i64, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32, _f32, _i32,
-        _f32, _p, _i32
+        _i32, _i32, _p, _i64, _p, _i64, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _i64, _i32, _i32, _i32, _i32, _f32,
+        _i32, _f32, _p, _i32
     ],
     "headroom_rms_norm": [_i32, _p, _p, _p, _p, _p, _i64, _i32, _f32, _i32],
     "headroom_rope": [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p, _i32],
@@ -188,7 +188,8 @@ def cpu_paged_attention(
     token_seq, token_ctx = meta.token_plan
     tables = meta.block_tables
     _lib().headroom_paged_attention(
-        q.dtype == torch.bfloat16, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        q.dtype == torch.bfloat16, k_cache.dtype == torch.float16, q.data_ptr(), q.stride(0), k.data_ptr(),
+        k.stride(0), v.data_ptr(), v.stride(0),
         meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         token_seq.data_ptr(), token_ctx.data_ptr(), tokens, heads, k_cache.shape[2], head_dim, meta.block_size,
         spec.scale, spec.window or 0, spec.softcap or 0.0, out.data_ptr(), torch.get_num_threads(),

@@ -118,3 +118,22 @@ def choose_dtype(requested: str | torch.dtype, device: torch.device, facts: CpuF
     fast, why = cpu_has_fast_bf16(facts)
     dtype = torch.bfloat16 if fast else torch.float32
     return DtypeChoice(dtype, f"auto on {device.type}: {why} on {facts.summary()}")
+
+
+def choose_kv_dtype(requested: str, model: torch.dtype, model_auto: bool, attention: str) -> DtypeChoice:
+    """The KV cache's dtype, and why. `auto` stores fp16 where the CPU kernel runs an `auto` fp32 model (a CPU
+    without bf16 dot products): a decode step reads its whole context's KV, so half the bytes is half that
+    traffic and half the pool's RSS, and F16C (every AVX2 CPU) converts as a block is loaded. An explicit
+    `--dtype float32` keeps fp32 KV, as it asks; elsewhere `auto` is the model's dtype. A KV dtype other
+    than the model's is converted by the CPU kernel only (engine/model/csrc/paged_attention.cpp)."""
+    if requested == AUTO:
+        if attention == "cpu" and model == torch.float32 and model_auto:
+            return DtypeChoice(torch.float16, "auto: fp16 beside fp32 compute on the CPU kernel (half the KV bytes)")
+        return DtypeChoice(model, "auto: the model's dtype")
+    kv = resolve_dtype(requested)
+    if kv != model and not (attention == "cpu" and kv == torch.float16):
+        raise ValueError(
+            f"--kv-cache-dtype {requested} with a {str(model).removeprefix('torch.')} model needs the CPU "
+            f"attention kernel, which converts to float16 only; attention here is {attention}"
+        )
+    return DtypeChoice(kv, "requested")

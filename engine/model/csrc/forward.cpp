@@ -19,8 +19,8 @@ void headroom_rope(int bf16, void* x, int64_t row_stride, int64_t rows, int head
                    const void* sin, const int64_t* positions, int threads);
 void headroom_silu_mul(int bf16, const void* gate_up, void* out, int64_t rows, int width, int threads);
 void headroom_gelu_tanh_mul(int bf16, const void* gate_up, void* out, int64_t rows, int width, int threads);
-void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
-                              int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
+void headroom_paged_attention(int bf16, int kv_f16, const void* q, int64_t q_row, const void* k, int64_t k_row,
+                              const void* v, int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
                               const int32_t* tables, int64_t table_row, const int32_t* token_seq,
                               const int32_t* token_ctx, int64_t tokens, int heads, int kv_heads, int head_dim,
                               int block_size, float scale, int window, float softcap, void* out, int threads);
@@ -50,7 +50,8 @@ struct Layer {
 struct Step {
     int64_t tokens, hidden, q_size, kv_size, heads, kv_heads, head_dim, inter, block_size, layers, table_row;
     float eps;
-    int32_t bf16, threads, gelu;  // gelu: the MLP's activation is gelu_tanh, else SiLU
+    int32_t bf16, kv_f16, threads, gelu;  // kv_f16: the KV caches hold fp16; gelu: the MLP's activation is
+                                          // gelu_tanh, else SiLU
     const int64_t* positions;
     const void *cos, *sin, *cos_local, *sin_local;
     const int64_t* slots;
@@ -98,7 +99,7 @@ void headroom_decoder_layers(const Step* step) {
                                 layer.q_norm, layer.k_norm, s.eps, s.threads);
         headroom_rope(s.bf16, s.qkv, qkv_row, s.tokens, int(s.heads + s.kv_heads), int(s.head_dim),
                       layer.local ? s.cos_local : s.cos, layer.local ? s.sin_local : s.sin, s.positions, s.threads);
-        headroom_paged_attention(s.bf16, qkv, qkv_row, qkv + s.q_size * elem, qkv_row,
+        headroom_paged_attention(s.bf16, s.kv_f16, qkv, qkv_row, qkv + s.q_size * elem, qkv_row,
                                  qkv + (s.q_size + s.kv_size) * elem, qkv_row, s.slots, layer.k_cache, layer.v_cache,
                                  s.tables, s.table_row, s.token_seq, s.token_ctx, s.tokens, int(s.heads),
                                  int(s.kv_heads), int(s.head_dim), int(s.block_size), layer.scale, layer.window,

@@ -68,13 +68,22 @@ struct Spec {
 // The first key a token that sees `ctx` keys attends to (window 0: none).
 inline int first_key(int ctx, int window) { return window ? std::max(0, ctx - window) : 0; }
 
-template <typename T>
+// A row of `width` elements (a multiple of LANES) into the cache's element type C: copied where it is T.
+template <typename T, typename C>
+inline void copy_row(C* to, const T* from, int64_t width) {
+    if constexpr (std::is_same_v<T, C>)
+        std::memcpy(to, from, width * sizeof(T));
+    else
+        for (int64_t i = 0; i < width; i += LANES) store16(to + i, load16(from + i));
+}
+
+template <typename T, typename C>
 void write_kv(const T* k, const T* v, int64_t k_row, int64_t v_row, const int64_t* slots, int64_t tokens,
-              int kv_heads, int head_dim, T* k_cache, T* v_cache) {
+              int kv_heads, int head_dim, C* k_cache, C* v_cache) {
     const int64_t width = int64_t(kv_heads) * head_dim;
     for (int64_t t = 0; t < tokens; ++t) {
-        std::memcpy(k_cache + slots[t] * width, k + t * k_row, width * sizeof(T));
-        std::memcpy(v_cache + slots[t] * width, v + t * v_row, width * sizeof(T));
+        copy_row(k_cache + slots[t] * width, k + t * k_row, width);
+        copy_row(v_cache + slots[t] * width, v + t * v_row, width);
     }
 }
 
@@ -93,8 +102,9 @@ struct Tile {
 // from `base` on, the start of the block of the first key the tile's first token (the one that sees the
 // fewest) attends to. WINDOW: whether the layer slides, known at compile time so that without a window every
 // row's keys start at 0 in the hot loops, as the compiler sees them.
-template <typename T, int CHUNKS, bool WINDOW>  // CHUNKS: head_dim / LANES where known at compile time, else 0
-void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* table,
+// C: the cache's element type, T's or fp16 (converted to fp32 as a block is loaded, like bf16).
+template <typename T, typename C, int CHUNKS, bool WINDOW>  // CHUNKS: head_dim / LANES where known, else 0
+void attend_tile(const T* q, int64_t q_row, const C* k_cache, const C* v_cache, const int32_t* table,
                  const int32_t* ctx, int tokens, int g, int group, int kv_heads, int head_dim, int block_size,
                  const Spec& spec, T* out, int64_t out_row, std::vector<f32x16>& qv, std::vector<f32x16>& acc,
                  std::vector<f32x16>& block, std::vector<float>& scores, std::vector<float>& total) {
@@ -114,8 +124,8 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
         for (int r = 0; r < group; ++r)
             for (int c = 0; c < chunks; ++c)
                 qv[(i * group + r) * chunks + c] = load16(q + i * q_row + (g * group + r) * head_dim + c * LANES);
-    auto load_block = [&](const T* cache, int first, int n) {
-        const T* p = cache + (int64_t(table[first / block_size]) * block_size * kv_heads + g) * head_dim;
+    auto load_block = [&](const C* cache, int first, int n) {
+        const C* p = cache + (int64_t(table[first / block_size]) * block_size * kv_heads + g) * head_dim;
         for (int j = 0; j < n; ++j, p += key_stride)
             for (int c = 0; c < chunks; ++c) block[j * chunks + c] = load16(p + c * LANES);
     };
@@ -178,8 +188,8 @@ void attend_tile(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, 
     }
 }
 
-template <typename T, int CHUNKS>
-void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int32_t* tables,
+template <typename T, typename C, int CHUNKS>
+void attend(const T* q, int64_t q_row, const C* k_cache, const C* v_cache, const int32_t* tables,
             int64_t table_row, const int32_t* token_seq, const int32_t* token_ctx, int64_t tokens, int heads,
             int kv_heads, int head_dim, int block_size, const Spec& spec, T* out, int threads) {
     std::vector<Tile> tiles;
@@ -193,7 +203,7 @@ void attend(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const
     }
     const int group = heads / kv_heads;
     const int64_t items = int64_t(tiles.size()) * kv_heads;
-    const auto tile_kernel = spec.window ? attend_tile<T, CHUNKS, true> : attend_tile<T, CHUNKS, false>;
+    const auto tile_kernel = spec.window ? attend_tile<T, C, CHUNKS, true> : attend_tile<T, C, CHUNKS, false>;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<f32x16> qv, acc, block;
@@ -218,22 +228,24 @@ extern "C" {
 // contiguous within a row, head_dim a multiple of 16 and at most 256 (the caller checks). Token t belongs to
 // block-table row token_seq[t] and sees the first token_ctx[t] keys of it, or with a `window` (0: none) the
 // last `window` of those. Scores are q.k * scale, then with a `softcap` (0: none) softcap * tanh(score /
-// softcap). out: [tokens, heads, head_dim], contiguous. bf16: 2-byte elements, else fp32.
-void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
-                              int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
+// softcap). out: [tokens, heads, head_dim], contiguous. bf16: 2-byte elements, else fp32. kv_f16: the caches
+// hold fp16 (k and v are converted as they are written), else the activations' type.
+void headroom_paged_attention(int bf16, int kv_f16, const void* q, int64_t q_row, const void* k, int64_t k_row,
+                              const void* v, int64_t v_row, const int64_t* slots, void* k_cache, void* v_cache,
                               const int32_t* tables, int64_t table_row, const int32_t* token_seq,
                               const int32_t* token_ctx, int64_t tokens, int heads, int kv_heads, int head_dim,
                               int block_size, float scale, int window, float softcap, void* out, int threads) {
     const Spec spec{scale, window, softcap};
-    with_element_type(bf16, [&](auto zero) {
-        using T = decltype(zero);
+    auto run = [&](auto activation, auto element) {
+        using T = decltype(activation);
+        using C = decltype(element);
         write_kv(static_cast<const T*>(k), static_cast<const T*>(v), k_row, v_row, slots, tokens, kv_heads,
-                 head_dim, static_cast<T*>(k_cache), static_cast<T*>(v_cache));
+                 head_dim, static_cast<C*>(k_cache), static_cast<C*>(v_cache));
         auto go = [&](auto chunks) {  // head sizes 64 and 128 unrolled, others at run time
-            attend<T, decltype(chunks)::value>(static_cast<const T*>(q), q_row, static_cast<const T*>(k_cache),
-                                               static_cast<const T*>(v_cache), tables, table_row, token_seq,
-                                               token_ctx, tokens, heads, kv_heads, head_dim, block_size, spec,
-                                               static_cast<T*>(out), threads);
+            attend<T, C, decltype(chunks)::value>(static_cast<const T*>(q), q_row, static_cast<const C*>(k_cache),
+                                                  static_cast<const C*>(v_cache), tables, table_row, token_seq,
+                                                  token_ctx, tokens, heads, kv_heads, head_dim, block_size, spec,
+                                                  static_cast<T*>(out), threads);
         };
         if (head_dim == 64)
             go(std::integral_constant<int, 4>{});
@@ -241,6 +253,12 @@ void headroom_paged_attention(int bf16, const void* q, int64_t q_row, const void
             go(std::integral_constant<int, 8>{});
         else
             go(std::integral_constant<int, 0>{});
+    };
+    with_element_type(bf16, [&](auto zero) {
+        if (kv_f16)
+            run(zero, f16{});
+        else
+            run(zero, zero);
     });
 }
 

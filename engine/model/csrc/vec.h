@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace headroom {
 
@@ -43,6 +46,52 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch ca
     std::memcpy(&u, &x, sizeof u);
     const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     *p = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays a quiet NaN
+}
+
+// IEEE fp16, the KV cache's element beside fp32 activations (`--kv-cache-dtype`): a type of its own so that
+// overloads tell it from bf16's bits. F16C (every AVX2 CPU) or AVX-512 converts 8 or 16 at once; elsewhere
+// the compiler's _Float16 does, one by one. Stores round to nearest even, as torch casts to fp16.
+struct f16 {
+    uint16_t bits;
+};
+
+inline f32x16 load16(const f16* p) {
+    f32x16 x;
+#if defined(__AVX512F__)
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    std::memcpy(&x, &wide, sizeof x);
+#elif defined(__F16C__)
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+    std::memcpy(&x, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&x) + sizeof lo, &hi, sizeof hi);
+#else
+    for (int l = 0; l < LANES; ++l) {
+        _Float16 h;
+        std::memcpy(&h, &p[l].bits, sizeof h);
+        x[l] = float(h);
+    }
+#endif
+    return x;
+}
+
+inline void store16(f16* p, f32x16 x) {
+#if defined(__AVX512F__)
+    __m512 wide;
+    std::memcpy(&wide, &x, sizeof x);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(wide, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    __m256 lo, hi;
+    std::memcpy(&lo, &x, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int l = 0; l < LANES; ++l) {
+        const _Float16 h = _Float16(x[l]);
+        std::memcpy(&p[l].bits, &h, sizeof h);
+    }
+#endif
 }
 
 typedef float f32x8 __attribute__((vector_size(32)));
