@@ -319,6 +319,29 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         needs="as cpu_vs_peers, plus a second llama.cpp build for AVX2 (made on first use)",
     ),
     Experiment(
+        "cpu_vs_peers_rounds",
+        (
+            "python -m bench.bench_vs_peers --peer-venv /tmp/headroom-vllm-venv --work /tmp/peers-native "
+            "--out {out}/cpu_vs_peers_rounds.md",
+        ),  # fmt: skip
+        ("cpu_vs_peers_rounds.md", "cpu_vs_peers_rounds.json"),
+        "cpu",
+        2400,
+        needs="as cpu_vs_peers; the file's closing notes were added by hand",
+    ),
+    Experiment(
+        "cpu_vs_peers_rounds_avx2",
+        (
+            "HEADROOM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 "
+            "python -m bench.bench_vs_peers --peer-venv /tmp/headroom-vllm-venv --work /tmp/peers-avx2 "
+            "--out {out}/cpu_vs_peers_rounds_avx2.md",
+        ),  # fmt: skip
+        ("cpu_vs_peers_rounds_avx2.md", "cpu_vs_peers_rounds_avx2.json"),
+        "cpu",
+        3000,
+        needs="as cpu_vs_peers_avx2, and the native llama.cpp build; the file's closing notes were added by hand",
+    ),
+    Experiment(
         "quantized_cpu",
         tuple(
             f"{env}python -m bench.bench_engine --dtype auto --quantization {q} --layers {layers} "

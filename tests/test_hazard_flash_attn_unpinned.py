@@ -90,7 +90,7 @@ def test_the_server_logs_which_attention_path_runs_and_why(
     choice = choose_kernel("auto", None, torch.device("cuda"), torch.bfloat16)  # CUDA without flash-attn
     backend = SimpleNamespace(
         dtype=torch.bfloat16, dtype_reason="auto: bf16 on CUDA", quant_reason="auto: weights dequantized (CUDA)",
-        attention=choice.attention,
+        kv_dtype=torch.bfloat16, kv_reason="auto: the model's dtype", attention=choice.attention,
         block_size=choice.block_size, kernel_reason=choice.reason, num_blocks=64, max_model_len=2048, model_name="m",
         kv_layout="tensors copied on a resize (cuda-bindings is not installed)",
     )  # fmt: skip

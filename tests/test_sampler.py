@@ -5,7 +5,16 @@ import torch
 from torch import Generator
 
 from engine.core.batch import ScheduledItem
-from engine.core.sampler import Sampler, TokenCounts, apply_penalties, argmax_rows, invert_cdf, mask_tokens, seed_for
+from engine.core.sampler import (
+    Sampler,
+    TokenCounts,
+    apply_penalties,
+    argmax_rows,
+    draw_top_p,
+    invert_cdf,
+    mask_tokens,
+    seed_for,
+)
 from engine.core.sampling_params import ParamError, SamplingParams
 from engine.core.sequence import Sequence as Request
 
@@ -65,6 +74,30 @@ def test_distribution_matches_softmax() -> None:
     for token in range(4):
         assert abs(counts[token] / n - p[token].item()) < 0.03
     assert set(counts) <= {0, 1, 2, 3}
+
+
+def full_sort_top_p(x: torch.Tensor, ps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """top-p as the definition reads: the whole row stably sorted."""
+    probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True, stable=True)
+    drop = probs.cumsum(dim=-1) - probs > ps[:, None]
+    return order.gather(1, invert_cdf(probs, drop, u)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 8.0])
+def test_top_p_sorts_only_the_head_and_draws_what_the_full_sort_draws(scale: float, monkeypatch) -> None:
+    """A vocabulary of 49,152 with peaked and flat rows, ties, and top_p from tiny to 1: the same token as
+    the full stable sort for every uniform, while a peaked row sorts far fewer than the vocabulary."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    x = (torch.randn(6, 49152, generator=g) * scale).round(decimals=1)  # rounded: many exact ties
+    ps = torch.tensor([1e-6, 0.2, 0.5, 0.9, 0.95, 1.0])
+    sorted_sizes = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda t, **kw: sorted_sizes.append(t.shape[-1]) or real_sort(t, **kw))
+    for _ in range(20):
+        u = torch.rand(6, generator=g)
+        assert torch.equal(draw_top_p(x, ps, u), full_sort_top_p(x, ps, u))
+    if scale == 8.0:  # peaked rows: the head holds top_p long before the vocabulary ends (top_p 1: it never does)
+        assert max(sorted_sizes[: len(ps) - 1]) < 49152 // 16
 
 
 def test_top_k_and_top_p_limit_support() -> None:

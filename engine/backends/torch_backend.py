@@ -29,7 +29,7 @@ from engine.model.cuda_graphs import (
     decode_graph_kernel,
     decode_inputs,
 )
-from engine.model.dtype_choice import choose_dtype, choose_kv_dtype
+from engine.model.dtype_choice import DtypeChoice, choose_dtype, choose_kv_dtype
 from engine.model.kernel_choice import KernelChoice, choose_kernel
 from engine.model.loaders import LoadedModel, load
 from engine.model.loaders.cache import ModelCache
@@ -115,11 +115,8 @@ class TorchBackend(BackendDefaults):
         self._load(model, quantization, model_cache, shard)
         self.model.linear_min_rows = linear_min_rows(self.device, self.dtype)
         self._use_kernels(kernel, attention)
-        kv_choice = choose_kv_dtype(kv_cache_dtype, self.dtype, dtype == "auto", self.attention)
-        self.kv_dtype, self.kv_reason = kv_choice.dtype, kv_choice.reason
-        self.num_blocks = num_blocks or self._default_num_blocks(capacity, kv_memory_fraction)
-        kv = allocate_pool(self.config, self.block_size, self.kv_dtype, self.device, self.num_blocks, capacity)
-        self.kv_arena, self.kv_caches, self.kv_layout = kv
+        self._allocate_kv(choose_kv_dtype(kv_cache_dtype, self.dtype, dtype == "auto", self.attention), num_blocks,
+                          capacity, kv_memory_fraction)  # fmt: skip
         # Preemption by swap only where host memory is not the device's: on the CPU a host copy would take
         # the memory the pool gave back (and count against a cgroup or --device-memory limit).
         self.can_swap = self.device.type == "cuda" and shard is None
@@ -128,9 +125,7 @@ class TorchBackend(BackendDefaults):
         self.sampler = Sampler(seed, cpu_kernels.draw_plain) if self.attention == "cpu" else Sampler(seed)
         self._kv_host: dict[str, Any] = {}  # swapped-out requests' KV in host memory, by request id
         self.sampler_seconds = 0.0  # cumulative: the engine's phase timer splits execute with it
-        self._capture_graphs_at_start(
-            "--enforce-eager" if enforce_eager else "a tensor-parallel rank" if shard else None
-        )
+        self._capture_graphs_at_start(enforce_eager)
 
     def _load(self, model: str | LoadedModel, quantization: str, model_cache: bool, shard: RankShard | None) -> None:
         """The model, the tokenizer and the quantization's reason. A tensor-parallel rank loads the float weights
@@ -148,6 +143,13 @@ class TorchBackend(BackendDefaults):
         self.tokenizer = loaded.tokenizer
         self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size)  # grammar masks, by request
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+
+    def _allocate_kv(self, kv: DtypeChoice, num_blocks: int | None, capacity: int | None, fraction: float) -> None:
+        """The KV pool in the chosen dtype, sized by `num_blocks` or by `fraction` of what the weights leave."""
+        self.kv_dtype, self.kv_reason = kv.dtype, kv.reason
+        self.num_blocks = num_blocks or self._default_num_blocks(capacity, fraction)
+        pool = allocate_pool(self.config, self.block_size, self.kv_dtype, self.device, self.num_blocks, capacity)
+        self.kv_arena, self.kv_caches, self.kv_layout = pool
 
     def _capture_graphs_at_start(self, enforce_eager: bool) -> None:
         """Every bucket's decode graph, now, so the idle footprint the controller profiles holds them, into a

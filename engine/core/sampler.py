@@ -9,7 +9,8 @@ The draw stays on the logits' device: only the per-row parameters and uniforms g
 and one `.tolist()` brings the step's chosen ids back. Each random row takes the cheapest exact path its
 own parameters allow, so no row's options change another row's draw:
 - top_k set: the top k by `topk` (no sort of the vocabulary), top_p measured against the full softmax;
-- top_p only: a stable sort of the row, the one exact way to find the smallest prefix holding top_p;
+- top_p only: a stable sort of the row's head, the best tokens up to more than top_p's mass, the one exact way to
+  find the smallest prefix holding top_p;
 - neither: inversion of the unsorted CDF.
 A seed means the same uniform on every device; a token can still differ between devices where their
 logits or float sums round differently.
@@ -162,12 +163,36 @@ def draw_top_k(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, u: torch.Ten
     return ids.gather(1, invert_cdf(probs, drop, u)[:, None]).squeeze(1)
 
 
+TOP_P_HEAD = 64  # the best tokens a top-p row first sorts; 16x as many until they hold more than top_p
+TOP_P_MARGIN = 1e-4  # relative: the head's sum and the prefix sums of a sort round differently
+
+
+def sorted_head(probs: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The start of one row's stable descending sort (ties by index), (probabilities, ids), long enough to
+    hold every token top-p `p` can keep: every token at least as likely as the k-th best, for the first k
+    whose tokens hold more than p; the whole row where none does. A token past such a head has more than p
+    before it, so top-p drops it, and the head is the same prefix the full sort starts with."""
+    k = TOP_P_HEAD
+    while k < probs.shape[0]:
+        ids = (probs >= probs.topk(k, sorted=False).values.min()).nonzero().squeeze(1)  # index order
+        head = probs[ids]
+        if float(head.sum()) > p * (1 + TOP_P_MARGIN):
+            values, order = head.sort(descending=True, stable=True)
+            return values, ids[order]
+        k *= 16
+    return probs.sort(descending=True, stable=True)
+
+
 def draw_top_p(x: torch.Tensor, ps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Rows with top_p only: top-p keeps the smallest prefix of the stably sorted softmax whose mass
-    reaches top_p (a token is dropped when the mass before it already does); the first token stays."""
-    probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True, stable=True)
-    drop = probs.cumsum(dim=-1) - probs > ps[:, None]
-    return order.gather(1, invert_cdf(probs, drop, u)[:, None]).squeeze(1)
+    reaches top_p (a token is dropped when the mass before it already does); the first token stays. Each
+    row sorts only its head (`sorted_head`): a full sort of a vocabulary costs milliseconds on a CPU."""
+    picks = []
+    for row, p, v in zip(torch.softmax(x, dim=-1), ps, u, strict=True):
+        probs, ids = sorted_head(row, float(p))
+        drop = probs.cumsum(dim=-1) - probs > p
+        picks.append(ids[invert_cdf(probs[None], drop[None], v[None])])
+    return torch.cat(picks)
 
 
 def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -28,17 +28,8 @@ using namespace headroom;
 
 // Softmax of s[0..n) in place; returns the sum of the exponentials (the caller divides once at the end).
 inline float softmax_unnormalized(float* s, int n) {
-    float top = s[0];  // the maximum is exact in any order: 16 lanes, then the rest
+    const float top = max_of(s, n);
     const int whole = n - n % LANES;
-    if (whole) {
-        f32x16 high = load16(s);
-        for (int j = LANES; j < whole; j += LANES) {
-            const f32x16 x = load16(s + j);
-            high = x > high ? x : high;
-        }
-        for (int l = 0; l < LANES; ++l) top = std::max(top, high[l]);
-    }
-    for (int j = whole; j < n; ++j) top = std::max(top, s[j]);
     f32x16 lanes = {};
     for (int j = 0; j < whole; j += LANES) {
         const f32x16 e = exp_approx(load16(s + j) - top);

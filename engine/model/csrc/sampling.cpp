@@ -4,6 +4,7 @@
 // Per row: the probabilities are exp(x - max) (fp32); the CDF is summed 16 tokens at a time (sum16 of
 // each group, the groups in order), the group holding the target u * total is found, and the token
 // within it by a running sum. A row's draw depends on that row and its uniform alone.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -15,10 +16,7 @@ namespace {
 using namespace headroom;
 
 int64_t draw_row(const float* x, int64_t vocab, float u, std::vector<float>& groups) {
-    float top = x[0];
-    int64_t best = 0;
-    for (int64_t j = 1; j < vocab; ++j)
-        if (x[j] > top) top = x[j], best = j;
+    const float top = max_of(x, vocab);
     const int64_t whole = vocab - vocab % LANES;
     groups.assign(size_t((vocab + LANES - 1) / LANES), 0.0f);
     for (int64_t j = 0; j < whole; j += LANES) groups[j / LANES] = sum16(exp_approx(load16(x + j) - top));
@@ -43,7 +41,7 @@ int64_t draw_row(const float* x, int64_t vocab, float u, std::vector<float>& gro
         }
         before += groups[g];
     }
-    return best;  // not reached: the last group with mass ends at the total
+    return std::max_element(x, x + vocab) - x;  // not reached: the last group with mass ends at the total
 }
 
 }  // namespace

@@ -120,6 +120,22 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
+// The largest of x[0..n), n >= 1: 16 lanes, then the rest (the maximum is exact in any order).
+inline float max_of(const float* x, int64_t n) {
+    float top = x[0];
+    const int64_t whole = n - n % LANES;
+    if (whole) {
+        f32x16 high = load16(x);
+        for (int64_t j = LANES; j < whole; j += LANES) {
+            const f32x16 y = load16(x + j);
+            high = y > high ? y : high;
+        }
+        for (int l = 0; l < LANES; ++l) top = std::max(top, high[l]);
+    }
+    for (int64_t j = whole; j < n; ++j) top = std::max(top, x[j]);
+    return top;
+}
+
 // exp(x), Cephes' expf polynomial, 16 lanes at a time (libm's expf does not vectorize without
 // -ffast-math); the same bits on every call. Below -87 (where expf leaves the normal floats) it is 0, so a
 // masked -inf logit has no mass; above 88 it saturates.
