@@ -342,6 +342,25 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         needs="as cpu_vs_peers_avx2, and the native llama.cpp build; the file's closing notes were added by hand",
     ),
     Experiment(
+        "prefetch_distance",
+        ("python -m bench.prefetch_distance --out {out}/prefetch_distance.md",),
+        ("prefetch_distance.md", "prefetch_distance.json"),
+        "cpu",
+        600,
+        needs="a C++ compiler; the file's closing notes were added by hand",
+    ),
+    Experiment(
+        "prefetch_distance_avx2",
+        (
+            "HEADROOM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 "
+            "python -m bench.prefetch_distance --out {out}/prefetch_distance_avx2.md",
+        ),  # fmt: skip
+        ("prefetch_distance_avx2.md", "prefetch_distance_avx2.json"),
+        "cpu",
+        600,
+        needs="a C++ compiler on an x86 CPU with AVX2; the file's closing notes were added by hand",
+    ),
+    Experiment(
         "quantized_cpu",
         tuple(
             f"{env}python -m bench.bench_engine --dtype auto --quantization {q} --layers {layers} "

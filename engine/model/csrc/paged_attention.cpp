@@ -78,6 +78,31 @@ void write_kv(const T* k, const T* v, int64_t k_row, int64_t v_row, const int64_
     }
 }
 
+// acc[c] += p[j] * v[j * chunks + c] over the keys j in [from, n), in order: one row's sum of values.
+template <int CHUNKS>
+inline void weighted_sum(f32x16* acc, const float* p, const f32x16* v, int from, int n, int chunks) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (CHUNKS > 0) {  // the same FMAs on 8-float halves: GCC keeps 16-float vectors built from a
+                                 // scalar in memory on AVX2, and the sum would wait on the stack every key
+        __m256 a[2 * CHUNKS];
+        for (int i = 0; i < 2 * CHUNKS; ++i) a[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(acc) + 8 * i);
+        for (int j = from; j < n; ++j) {
+            const __m256 pj = _mm256_broadcast_ss(p + j);
+            const float* vj = reinterpret_cast<const float*>(v + j * CHUNKS);
+            for (int i = 0; i < 2 * CHUNKS; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+        }
+        for (int i = 0; i < 2 * CHUNKS; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(acc) + 8 * i, a[i]);
+        return;
+    }
+#endif
+    constexpr int MAX_CHUNKS = 16;  // head_dim <= 256
+    f32x16 a[MAX_CHUNKS];           // in registers when CHUNKS is known: one FMA chain per chunk, interleaved
+    for (int c = 0; c < chunks; ++c) a[c] = acc[c];
+    for (int j = from; j < n; ++j)
+        for (int c = 0; c < chunks; ++c) a[c] += p[j] * v[j * chunks + c];
+    for (int c = 0; c < chunks; ++c) acc[c] = a[c];
+}
+
 constexpr int TILE_TOKENS = 16;  // a prefill's consecutive tokens attended together: each K and V block is
                                  // converted once for all of them
 
@@ -99,7 +124,6 @@ void attend_tile(const T* q, int64_t q_row, const C* k_cache, const C* v_cache, 
                  const int32_t* ctx, int tokens, int g, int group, int kv_heads, int head_dim, int block_size,
                  const Spec& spec, T* out, int64_t out_row, std::vector<f32x16>& qv, std::vector<f32x16>& acc,
                  std::vector<f32x16>& block, std::vector<float>& scores, std::vector<float>& total) {
-    constexpr int MAX_CHUNKS = 16;  // head_dim <= 256
     const int chunks = CHUNKS ? CHUNKS : head_dim / LANES, rows = tokens * group;
     const int keys = ctx[tokens - 1];  // the tile's last token sees the most
     const int window = WINDOW ? spec.window : 0;
@@ -115,8 +139,17 @@ void attend_tile(const T* q, int64_t q_row, const C* k_cache, const C* v_cache, 
         for (int r = 0; r < group; ++r)
             for (int c = 0; c < chunks; ++c)
                 qv[(i * group + r) * chunks + c] = load16(q + i * q_row + (g * group + r) * head_dim + c * LANES);
+    auto head_in_block = [&](const C* cache, int first) {  // this KV head's first key in the block at `first`
+        return cache + (int64_t(table[first / block_size]) * block_size * kv_heads + g) * head_dim;
+    };
     auto load_block = [&](const C* cache, int first, int n) {
-        const C* p = cache + (int64_t(table[first / block_size]) * block_size * kv_heads + g) * head_dim;
+        if (first + block_size < keys) {  // the next block's keys are wherever the table put it: ask for them now
+            const char* next = reinterpret_cast<const char*>(head_in_block(cache, first + block_size));
+            for (int j = 0; j < block_size; ++j)
+                for (int64_t b = 0; b < head_dim * int64_t(sizeof(C)); b += 64)
+                    __builtin_prefetch(next + j * key_stride * int64_t(sizeof(C)) + b);
+        }
+        const C* p = head_in_block(cache, first);
         for (int j = 0; j < n; ++j, p += key_stride)
             for (int c = 0; c < chunks; ++c) block[j * chunks + c] = load16(p + c * LANES);
     };
@@ -165,11 +198,7 @@ void attend_tile(const T* q, int64_t q_row, const C* k_cache, const C* v_cache, 
             int from, n;
             keys_in(row, first, from, n);
             const float* p = &scores[size_t(row) * span + first - base];
-            f32x16 a[MAX_CHUNKS];  // in registers when CHUNKS is known: one FMA chain per chunk, interleaved
-            for (int c = 0; c < chunks; ++c) a[c] = acc[size_t(row) * chunks + c];
-            for (int j = from; j < n; ++j)
-                for (int c = 0; c < chunks; ++c) a[c] += p[j] * block[j * chunks + c];
-            for (int c = 0; c < chunks; ++c) acc[size_t(row) * chunks + c] = a[c];
+            weighted_sum<CHUNKS>(&acc[size_t(row) * chunks], p, block.data(), from, n, chunks);
         }
     }
     for (int row = 0; row < rows; ++row) {

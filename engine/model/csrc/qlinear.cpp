@@ -30,6 +30,11 @@ namespace {
 
 constexpr int QK = 32;  // inputs per quantization block, weights and activations alike
 constexpr int OUT = 16;  // outputs per packed block
+// How far past the record a tile reads it asks for the next ones: each thread walks its columns' records in
+// address order, and the hardware's prefetchers alone leave a batch-1 step well short of the memory's bandwidth
+// (bench/prefetch_distance.py: 8-16 KiB is a plateau on both vector paths; the nearer end leaves a small L1
+// more room).
+constexpr int64_t PREFETCH = 8192;
 constexpr int64_t record_bytes(int bits) { return bits == 4 ? 4 * OUT + OUT * QK / 2 : 2 * OUT + OUT * QK; }
 constexpr int64_t quants_offset(int bits) { return bits == 4 ? 4 * OUT : 2 * OUT; }
 
@@ -54,6 +59,12 @@ inline float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+// The record PREFETCH bytes past p, a line at a time.
+template <int BITS>
+inline void prefetch_ahead(const uint8_t* p) {
+    for (int64_t off = 0; off < record_bytes(BITS); off += 64) __builtin_prefetch(p + PREFETCH + off);
 }
 
 // A batch's rows quantized per 32-block: q [m][k] int8, and per (row, block) d, d * sum(q) and sum(q).
@@ -175,7 +186,10 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* 
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
         const uint8_t* p[C];
-        for (int c = 0; c < C; ++c) p[c] = w + c * wstride + b * rec;
+        for (int c = 0; c < C; ++c) {
+            p[c] = w + c * wstride + b * rec;
+            prefetch_ahead<BITS>(p[c]);
+        }
         if (BITS == 4) {
             for (int ch = 0; ch < 4; ++ch) {
                 __m512i lo[C], hi[C];
@@ -229,7 +243,8 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* 
         }
 }
 #elif defined(__AVX2__)
-constexpr int ROWS = 2, COLS = 1;  // AVX2 has 16 vector registers: 4 fp32 + 4 int sums + 4 weights
+constexpr int ROWS = 2, COLS = 1;
+  // AVX2 has 16 vector registers: 4 fp32 + 4 int sums + 4 weights
 
 inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 
@@ -246,6 +261,7 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* 
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x.blocks; ++b) {
         const uint8_t* p = w + b * rec;
+        prefetch_ahead<BITS>(p);
         __m256i dot[R][2];
         if (BITS == 4) {
             __m256i pairs[R][2];
