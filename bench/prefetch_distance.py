@@ -11,61 +11,21 @@ on a CPU with AVX-512).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import re
-import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from bench.bandwidth_bound import read_bandwidth
 from bench.harness.machine import load_average, machine_line
+from bench.harness.qlinear_sweep import sweep_seconds, variant_library, weight_stream
 from bench.harness.report import Stamp, write_report
 from engine.backends.torch_backend import TorchBackend
-from engine.model.cpu_kernels import CSRC, build, qlinear_isa
-from engine.model.quant import packed_shape
+from engine.model.cpu_kernels import qlinear_isa
 
-PREFETCH = re.compile(r"constexpr int64_t PREFETCH = \d+;")
 CALLS = 40  # sweeps timed together in a round
-
-
-def library_with(distance: int, workdir: Path) -> ctypes.CDLL:
-    """The kernels built from a copy of the sources with PREFETCH = distance (0 drops the prefetch calls)."""
-    csrc = workdir / f"csrc-{distance}"
-    shutil.copytree(CSRC, csrc)
-    source = (csrc / "qlinear.cpp").read_text()
-    assert PREFETCH.search(source), "qlinear.cpp no longer declares PREFETCH"
-    source = PREFETCH.sub(f"constexpr int64_t PREFETCH = {distance};", source)
-    if distance == 0:
-        source = re.sub(r"\n\s*prefetch_ahead<BITS>\([^)]*\);", "", source)
-    (csrc / "qlinear.cpp").write_text(source)
-    built = build(workdir / "cache", csrc=csrc)
-    assert built.library is not None, built.reason
-    return built.library
-
-
-def weight_stream(backend: TorchBackend) -> list:
-    """The packed weights a decode step reads, in the order it reads them."""
-    model = backend.model
-    layers = [w for layer in model.layers for w in layer.packed]
-    return [*layers, model.packed_head]
-
-
-def sweep_seconds(lib: ctypes.CDLL, weights: list[torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> float:
-    """Seconds for one pass over `weights` with one row, the mean of CALLS passes."""
-    args = []
-    for w in weights:
-        n, k, bits = packed_shape(w)
-        args.append((0, x.data_ptr(), k, w.data_ptr(), bits, 0, out.data_ptr(), 1, n, k, 0, torch.get_num_threads()))
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        for a in args:
-            lib.headroom_qlinear(*a)
-    return (time.perf_counter() - start) / CALLS
 
 
 def main() -> None:
@@ -76,26 +36,20 @@ def main() -> None:
     args = ap.parse_args()
     stamp, load_before = Stamp("python -m bench.prefetch_distance"), load_average()
     distances = [int(d) for d in args.distances.split(",")]
-    backend = TorchBackend("default", dtype="float32", device="cpu", num_blocks=16)
-    weights = weight_stream(backend)
-    assert all(isinstance(w, torch.Tensor) for w in weights), "the default model's linears are not all quantized"
+    weights = weight_stream(TorchBackend("default", dtype="float32", device="cpu", num_blocks=16))
     total = sum(w.numel() * w.element_size() for w in weights)
-    width = max(packed_shape(w)[1] for w in weights)
-    x, out = torch.randn(1, width), torch.empty(1, max(packed_shape(w)[0] for w in weights))
     cores = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {d: library_with(d, Path(tmp)) for d in distances}
-        for lib in libs.values():
-            lib.headroom_qlinear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int64] * 3,
-                                             ctypes.c_int, ctypes.c_int]  # fmt: skip
-            sweep_seconds(lib, weights, x, out)  # warm-up
+        libs = {
+            d: variant_library(Path(tmp), str(d), {"PREFETCH": d}, drop=None if d else r"prefetch_ahead<BITS>\(")
+            for d in distances
+        }
         seconds: dict[int, list[float]] = {d: [] for d in distances}
         bandwidth = []
         for r in range(args.rounds):
             bandwidth.append(read_bandwidth(cores))
             for d in distances[r % len(distances) :] + distances[: r % len(distances)]:
-                seconds[d].append(sweep_seconds(libs[d], weights, x, out))
+                seconds[d].append(sweep_seconds(libs[d], weights, 1, CALLS))
     med = statistics.median
     rows = [
         f"| {d} | {1e3 * med(s):.3f} ({1e3 * min(s):.3f}-{1e3 * max(s):.3f}) | {total / med(s) / 1e9:.1f} | "
