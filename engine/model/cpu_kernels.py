@@ -310,12 +310,7 @@ def cpu_linear(x: torch.Tensor, weight: PackedLinear) -> torch.Tensor:
     return out
 
 
-QLINEAR_ISAS = {
-    3: "AMX-INT8 (tdpbssd) from 4 rows, AVX512-VNNI below",
-    2: "AVX512-VNNI (vpdpbusd)",
-    1: "AVX2 (vpmaddubsw)",
-    0: "plain C++",
-}
+QLINEAR_ISAS = {2: "AVX512-VNNI (vpdpbusd)", 1: "AVX2 (vpmaddubsw)", 0: "plain C++"}
 
 
 def qlinear_isa() -> str:

@@ -25,11 +25,6 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HEADROOM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -40,16 +35,6 @@ constexpr int OUT = 16;  // outputs per packed block
 // (bench/prefetch_distance.py: 8-16 KiB is a plateau on both vector paths; the nearer end leaves a small L1
 // more room).
 constexpr int64_t PREFETCH = 8192;
-constexpr int AMX_ROWS = 16;     // rows of an AMX tile (activations) and of its int32 result
-constexpr int AMX_MIN_ROWS = 4;  // fewer rows: the VNNI tiles, whose work shrinks with the rows (a tile's does not)
-
-// Rows of codes a batch of m keeps: whole AMX tiles, zeros past m, where the AMX path reads them; else m.
-inline int64_t code_rows(int64_t m) {
-#ifdef HEADROOM_AMX
-    if (m >= AMX_MIN_ROWS) return (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-#endif
-    return m;
-}
 constexpr int64_t record_bytes(int bits) { return bits == 4 ? 4 * OUT + OUT * QK / 2 : 2 * OUT + OUT * QK; }
 constexpr int64_t quants_offset(int bits) { return bits == 4 ? 4 * OUT : 2 * OUT; }
 
@@ -114,7 +99,7 @@ template <typename T>
 void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, QuantRows& out, int threads) {
     out.k = k;
     out.blocks = k / QK;
-    out.q.resize(code_rows(m) * k);
+    out.q.resize(m * k);
     out.d.resize(m * out.blocks);
     out.ds.resize(m * out.blocks);
     out.sum.resize(m * out.blocks);
@@ -337,144 +322,6 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t, T* y, int64
 }
 #endif
 
-#ifdef HEADROOM_AMX
-// AMX-INT8: one tile instruction multiplies 16 rows' block of 32 int8 codes by a 16-output record's codes, the
-// record's 64-byte chunks being rows of the B tile as they are packed (4 inputs of each output a row, the
-// layout tdpbusd reads; 4-bit codes are split into their low and high nibbles first). The integer sums are the
-// VNNI tile's, and each is folded in with the same float operations in the same order, so the bits are too.
-// The kernel hands a process the tile data state only when asked (Linux's ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction faults, so a refusal keeps the VNNI tiles.
-bool amx_granted() {
-    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return granted;
-}
-
-struct TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Two blocks in flight, so one's tile product overlaps the other's: tmm0-2 for the even block, tmm3-5 for the
-// odd one; in each, the int32 sums [16 rows][16 outputs], the rows' codes of the block [16][32], and the
-// record's codes as B [8 rows of 4 inputs][16 outputs * 4].
-void configure_tiles() {
-    TileConfig config;
-    for (int t = 0; t < 6; t += 3) {
-        config.rows[t] = AMX_ROWS, config.colsb[t] = OUT * 4;
-        config.rows[t + 1] = AMX_ROWS, config.colsb[t + 1] = QK;
-        config.rows[t + 2] = QK / 4, config.colsb[t + 2] = OUT * 4;
-    }
-    _tile_loadconfig(&config);
-}
-
-// GCC's tile intrinsics take their tile numbers as literals: the block's three tiles, spelled out per set.
-#define HEADROOM_AMX_BLOCK(SUMS, ROWS, CODES)                                                         \
-    _tile_loadd(ROWS, x.row(r0) + b * QK, x.k);                                                     \
-    _tile_zero(SUMS);                                                                                \
-    if constexpr (BITS == 4) {                                                                       \
-        _tile_loadd(CODES, unpack4(p, codes), 64);                                                   \
-        _tile_dpbsud(SUMS, ROWS, CODES); /* signed activations, unsigned 4-bit codes */              \
-    } else {                                                                                         \
-        _tile_loadd(CODES, p + quants_offset(8), 64);                                                \
-        _tile_dpbssd(SUMS, ROWS, CODES);                                                             \
-    }
-
-// A 4-bit record's codes as bytes in B's rows: inputs 4ch.. from the low nibbles (rows 0-3), 16+4ch.. from the
-// high ones (rows 4-7).
-inline const uint8_t* unpack4(const uint8_t* p, uint8_t* codes) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int ch = 0; ch < 4; ++ch) {
-        const __m512i raw = _mm512_loadu_si512(p + quants_offset(4) + ch * 64);
-        _mm512_store_si512(codes + ch * 64, _mm512_and_si512(raw, low));
-        _mm512_store_si512(codes + (4 + ch) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-    }
-    return codes;
-}
-
-// Block b's integer sums for the 16 rows from r0 begun on tiles 0-2 (SET 0) or 3-5 (SET 1); amx_sums stores
-// them, after the other set's product has been issued too.
-template <int BITS, int SET>
-inline void amx_block(const QuantRows& x, int64_t r0, int64_t b, const uint8_t* p, uint8_t* codes) {
-    if constexpr (SET == 0) {
-        HEADROOM_AMX_BLOCK(0, 1, 2);
-    } else {
-        HEADROOM_AMX_BLOCK(3, 4, 5);
-    }
-}
-#undef HEADROOM_AMX_BLOCK
-
-template <int SET>
-inline void amx_sums(int32_t* sums) {
-    if constexpr (SET == 0)
-        _tile_stored(0, sums, OUT * 4);
-    else
-        _tile_stored(3, sums, OUT * 4);
-}
-
-// Block b's sums folded into the rows' accumulators, as the VNNI tile folds them.
-template <int BITS>
-inline void amx_fold(const QuantRows& x, int64_t r0, int rows, int64_t b, const uint8_t* p, const int32_t* sums,
-                     __m512* acc) {
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-    const __m512 mw = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 2 * OUT))) : dw;
-    for (int r = 0; r < rows; ++r) {
-        const __m512 dx = _mm512_set1_ps(x.d[x.at(r0 + r, b)]), dsx = _mm512_set1_ps(x.ds[x.at(r0 + r, b)]);
-        const __m512i dot = _mm512_load_si512(sums + r * OUT);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[r]);
-        if (BITS == 4) acc[r] = _mm512_fmadd_ps(mw, dsx, acc[r]);
-    }
-}
-
-// Rows r0..r0+rows (rows <= 16; x holds whole tiles of rows) times one packed column of 16 outputs.
-template <int BITS, typename T>
-void amx_tile(const QuantRows& x, int64_t r0, int rows, const uint8_t* w, T* y, int64_t ldy) {
-    const int64_t rec = record_bytes(BITS);
-    alignas(64) uint8_t codes[2][QK / 4 * 64];
-    alignas(64) int32_t sums[2][AMX_ROWS * OUT];
-    __m512 acc[AMX_ROWS];
-    for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= x.blocks; b += 2) {
-        const uint8_t* p = w + b * rec;
-        prefetch_ahead<BITS>(p);
-        prefetch_ahead<BITS>(p + rec);
-        amx_block<BITS, 0>(x, r0, b, p, codes[0]);
-        amx_block<BITS, 1>(x, r0, b + 1, p + rec, codes[1]);
-        amx_sums<0>(sums[0]);
-        amx_sums<1>(sums[1]);
-        amx_fold<BITS>(x, r0, rows, b, p, sums[0], acc);
-        amx_fold<BITS>(x, r0, rows, b + 1, p + rec, sums[1], acc);
-    }
-    if (b < x.blocks) {
-        amx_block<BITS, 0>(x, r0, b, w + b * rec, codes[0]);
-        amx_sums<0>(sums[0]);
-        amx_fold<BITS>(x, r0, rows, b, w + b * rec, sums[0], acc);
-    }
-    for (int r = 0; r < rows; ++r) {
-        float out[OUT];
-        _mm512_storeu_ps(out, acc[r]);
-        store_row(y + r * ldy, out, OUT);
-    }
-}
-
-// Every column's tiles of 16 rows, the columns shared among the threads; each thread configures its tiles
-// once a call and releases them at the end (other code, oneDNN's, loads configurations of its own).
-template <int BITS, typename T>
-void linear_amx(const QuantRows& x, int64_t m, const uint8_t* w, T* y, int64_t n, int threads) {
-    const int64_t wstride = x.blocks * record_bytes(BITS), columns = n / OUT;
-#pragma omp parallel num_threads(threads)
-    {
-        configure_tiles();
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < columns; ++c)
-            for (int64_t r = 0; r < m; r += AMX_ROWS)
-                amx_tile<BITS>(x, r, int(std::min<int64_t>(AMX_ROWS, m - r)), w + c * wstride, y + r * n + c * OUT, n);
-        _tile_release();
-    }
-}
-#endif
-
 // The rows left over after whole tiles of ROWS, for C blocks.
 template <int BITS, int C, typename T>
 void rows_tail(int rows, const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* y, int64_t ldy) {
@@ -496,9 +343,6 @@ void column(const QuantRows& x, int64_t m, const uint8_t* w, int64_t wstride, T*
 
 template <int BITS, typename T>
 void linear(const QuantRows& x, int64_t m, const uint8_t* w, T* y, int64_t n, int threads) {
-#ifdef HEADROOM_AMX
-    if (m >= AMX_MIN_ROWS && amx_granted()) return linear_amx<BITS>(x, m, w, y, n, threads);
-#endif
     const int64_t wstride = x.blocks * record_bytes(BITS), blocks = n / OUT, columns = (blocks + COLS - 1) / COLS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < columns; ++c) {
@@ -539,12 +383,8 @@ void with_bits(int bits, F&& f) {
 
 extern "C" {
 
-// Which vector path this build runs: 3 AMX-INT8 from AMX_MIN_ROWS rows (AVX512-VNNI below), 2 AVX512-VNNI,
-// 1 AVX2, 0 plain C++.
+// Which vector path this build runs: 2 AVX512-VNNI, 1 AVX2, 0 plain C++.
 int headroom_qlinear_isa() {
-#ifdef HEADROOM_AMX
-    if (amx_granted()) return 3;
-#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 2;
 #elif defined(__AVX2__)
