@@ -243,8 +243,7 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* 
         }
 }
 #elif defined(__AVX2__)
-constexpr int ROWS = 2, COLS = 1;
-  // AVX2 has 16 vector registers: 4 fp32 + 4 int sums + 4 weights
+constexpr int ROWS = 2, COLS = 1;  // AVX2 has 16 vector registers: 4 fp32 + 4 int sums + 4 weights
 
 inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 
