@@ -173,17 +173,22 @@ def test_a_head_size_the_kernel_cannot_take_runs_on_sdpa(caplog) -> None:
 
 
 def test_the_plain_draw_picks_the_tokens_torch_inverts_to() -> None:
-    """The kernel's inverse CDF against the sampler's torch one on the same uniforms: the same token except
-    where a uniform falls within rounding of a boundary between two tokens."""
+    """The kernel's inverse CDF against the sampler's torch one on the same temperatures and uniforms: the same
+    token except where a uniform falls within rounding of a boundary between two tokens; the argmax at
+    temperature 0; the kernel's division by the temperature rounds as torch's does."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(300, 49152 + 7, generator=g) * 3  # a vocabulary that is not a multiple of 16
     u = torch.rand(300, generator=g)
-    ours, theirs = cpu_kernels.draw_plain(x, u), draw_plain(x, u)
+    t = torch.tensor([1.0, 0.7, 0.0] * 100)
+    ours, theirs = cpu_kernels.draw_plain(x, t, u), draw_plain(x, t, u)
     assert (ours == theirs).float().mean() >= 0.99
-    assert torch.equal(cpu_kernels.draw_plain(x[5:6], u[5:6]), ours[5:6])  # a row alone: the same draw
+    assert torch.equal(ours[t == 0], x[t == 0].argmax(dim=-1))
+    warm = t == 0.7
+    assert torch.equal(ours[warm], cpu_kernels.draw_plain(x[warm] / 0.7, torch.ones(100), u[warm]))
+    assert torch.equal(cpu_kernels.draw_plain(x[4:6], t[4:6], u[4:6]), ours[4:6])  # rows alone: the same draws
     peaked = torch.full((2, 100), -1e4)
     peaked[0, 42], peaked[1, 99] = 0.0, 0.0  # all the mass on one token, even at u just below 1
-    assert cpu_kernels.draw_plain(peaked, torch.tensor([0.999999, 0.0])).tolist() == [42, 99]
+    assert cpu_kernels.draw_plain(peaked, torch.ones(2), torch.tensor([0.999999, 0.0])).tolist() == [42, 99]
 
 
 @pytest.fixture

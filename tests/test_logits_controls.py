@@ -91,6 +91,21 @@ def test_controls_draw_the_same_tokens_alone_and_batched(plain) -> None:  # noqa
     assert len(set(alone)) > 3
 
 
+@pytest.mark.parametrize("plain", plain_draws())
+def test_the_one_call_path_draws_what_the_general_path_draws(plain) -> None:  # noqa: ANN001
+    """Greedy rows and rows with a temperature alone take one plain draw on the raw logits; beside a top-k
+    row the same rows go through the general path (gather, division, table): the same tokens, step by step."""
+    rows = [SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=0), SamplingParams(temperature=1.4)]
+    one_call, general = Sampler(seed=2, plain=plain), Sampler(seed=2, plain=plain)
+    top_k = SamplingParams(temperature=1.0, top_k=3, seed=1)
+    for step in range(40):
+        x = logits(3, seed=200 + step)
+        assert (
+            one_call.sample(x, rows, [step] * 3)
+            == general.sample(torch.cat([x, logits(1)]), [*rows, top_k], [step] * 4)[:3]
+        )
+
+
 def test_a_one_token_bad_word_is_always_banned_and_the_prompt_does_not_count() -> None:
     x = torch.zeros(1, V)
     x[0, 20], x[0, 21] = 10.0, 9.0

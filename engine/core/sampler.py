@@ -12,6 +12,9 @@ own parameters allow, so no row's options change another row's draw:
 - top_p only: a stable sort of the row's head, the best tokens up to more than top_p's mass, the one exact way to
   find the smallest prefix holding top_p;
 - neither: inversion of the unsorted CDF.
+A batch whose random rows all take the last path, with no min_p, is drawn by one call of the plain draw on the
+raw logits, temperature and greedy rows included: a one-stream step's commonest case, where each extra tensor
+operation costs more than the draw itself.
 A seed means the same uniform on every device; a token can still differ between devices where their
 logits or float sums round differently.
 
@@ -21,6 +24,7 @@ scan.
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 
@@ -195,12 +199,15 @@ def draw_top_p(x: torch.Tensor, ps: torch.Tensor, u: torch.Tensor) -> torch.Tens
     return torch.cat(picks)
 
 
-def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Rows with neither filter: the softmax's CDF in vocabulary order, no sort."""
-    return invert_cdf(torch.softmax(x, dim=-1), None, u)
+def draw_plain(x: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rows with neither filter: the softmax of x over its row's temperature, its CDF in vocabulary order, no
+    sort; the argmax where the temperature is 0."""
+    greedy = temperatures == 0
+    drawn = invert_cdf(torch.softmax(x / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1), None, u)
+    return torch.where(greedy, x.argmax(dim=-1), drawn)
 
 
-PlainDraw = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+PlainDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, temperatures, uniforms)
 
 
 def draw_by_path(
@@ -224,7 +231,7 @@ def draw_by_path(
         elif path == TOP_P:
             picks.append(draw_top_p(x[a:b], ps[a:b], us[a:b]))
         else:
-            picks.append(plain(x[a:b], us[a:b]))
+            picks.append(plain(x[a:b], torch.ones_like(us[a:b]), us[a:b]))  # x is already over the temperature
     return torch.cat(picks)
 
 
@@ -242,17 +249,14 @@ class Sampler:
         self._counts: dict[str, TokenCounts] = {}  # penalized requests' counts, by request id
         self._outputs: dict[str, list[int]] = {}  # bad-words requests' output so far, by request id
         self._disallowed: dict[str, torch.Tensor] = {}  # allow-list requests' masks, by request id
-        self._generator = torch.Generator()  # for unseeded requests
-        if seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(seed)
+        self._random = random.Random(seed)  # for unseeded requests
 
     def _uniforms(self, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[float]:
         """One uniform per row: seeded rows from (seed, position), the others from this sampler's stream."""
-        unseeded = iter(torch.rand(sum(p.seed is None for p in params), generator=self._generator).tolist())
         return [
-            next(unseeded) if p.seed is None else seeded_uniform(p.seed, pos)
+            self._random.getrandbits(UNIFORM_BITS) / (1 << UNIFORM_BITS)
+            if p.seed is None
+            else seeded_uniform(p.seed, pos)
             for p, pos in zip(params, positions, strict=True)
         ]
 
@@ -264,6 +268,8 @@ class Sampler:
         rand.sort(key=lambda i: _path(params[i]))
         if not rand:
             return argmax_rows(logits)
+        if all(_path(params[i]) == PLAIN and not params[i].min_p for i in rand):
+            return self._sample_whole_rows(logits, params, positions, rand)
         # the argmax, the row gather and the temperature each pass over [rows, vocab]: only where needed
         greedy = sorted(set(range(len(params))) - set(rand))
         out = torch.zeros(len(params), dtype=torch.long, device=logits.device)
@@ -281,6 +287,18 @@ class Sampler:
             x = apply_min_p(x, [p.min_p for p in chosen])
         picks = draw_by_path(x, table[:, 2].long(), table[:, 3].float(), table[:, 4].float(), chosen, self._plain)
         return out.index_copy_(0, rows, picks).tolist()
+
+    def _sample_whole_rows(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], rand: list[int]
+    ) -> list[int]:
+        """Greedy rows and random rows with the temperature alone: the plain draw on the raw logits, two columns
+        uploaded, no gather, division or table; the same tokens as the general path."""
+        temperatures, uniforms = [0.0] * len(params), [0.0] * len(params)
+        drawn = self._uniforms([params[i] for i in rand], [positions[i] for i in rand])
+        for i, u in zip(rand, drawn, strict=True):
+            temperatures[i], uniforms[i] = params[i].temperature, u
+        columns = torch.tensor([temperatures, uniforms], dtype=torch.float32).to(logits.device)
+        return self._plain(logits, columns[0], columns[1]).tolist()
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests' penalty counts."""

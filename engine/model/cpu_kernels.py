@@ -65,7 +65,7 @@ SIGNATURES = {
     "headroom_rope": [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p, _i32],
     "headroom_silu_mul": [_i32, _p, _p, _i64, _i32, _i32],
     "headroom_gelu_tanh_mul": [_i32, _p, _p, _i64, _i32, _i32],
-    "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _i32],
+    "headroom_sample_plain": [_p, _i64, _i64, _p, _p, _p, _i32],
     "headroom_linear_bf16": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
     "headroom_linear_available": [],
     "headroom_linear_f32": [_p, _i64, _p, _p, _i64, _i64, _i64, _i32],
@@ -243,12 +243,13 @@ def _gated_mul(kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tens
     return out
 
 
-def draw_plain(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """engine/core/sampler.py `draw_plain` (inverse CDF of the whole row's softmax) as one kernel call."""
-    x, u = x.float().contiguous(), u.float().contiguous()
+def draw_plain(x: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """engine/core/sampler.py `draw_plain` (the temperature, then the inverse CDF of the whole row's softmax;
+    the argmax at temperature 0) as one kernel call."""
+    x, t, u = x.float().contiguous(), temperatures.float().contiguous(), u.float().contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _lib().headroom_sample_plain(
-        x.data_ptr(), x.shape[0], x.shape[1], u.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), u.data_ptr(), out.data_ptr(), torch.get_num_threads()
     )
     return out
 

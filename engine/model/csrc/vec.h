@@ -17,13 +17,16 @@ constexpr int LANES = 16;
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+// Always inlined where a 16-float vector is passed or returned: without AVX-512 no register holds one, so an
+// out-of-line call passes it through memory, and GCC leaves exp_approx out of line on AVX2.
+#define HEADROOM_VEC inline __attribute__((always_inline))
 
-inline f32x16 load16(const float* p) {
+HEADROOM_VEC f32x16 load16(const float* p) {
     f32x16 x;
     std::memcpy(&x, p, sizeof x);
     return x;
 }
-inline f32x16 load16(const uint16_t* p) {  // bf16 -> fp32 is exact: the bits shifted into the high half
+HEADROOM_VEC f32x16 load16(const uint16_t* p) {  // bf16 -> fp32 is exact: the bits shifted into the high half
     u16x16 raw;
     std::memcpy(&raw, p, sizeof raw);
     u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
@@ -55,7 +58,7 @@ struct f16 {
     uint16_t bits;
 };
 
-inline f32x16 load16(const f16* p) {
+HEADROOM_VEC f32x16 load16(const f16* p) {
     f32x16 x;
 #if defined(__AVX512F__)
     const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -75,7 +78,7 @@ inline f32x16 load16(const f16* p) {
     return x;
 }
 
-inline void store16(f16* p, f32x16 x) {
+HEADROOM_VEC void store16(f16* p, f32x16 x) {
 #if defined(__AVX512F__)
     __m512 wide;
     std::memcpy(&wide, &x, sizeof x);
@@ -98,16 +101,17 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef float f32x2 __attribute__((vector_size(8)));
 
-inline float sum16(f32x16 x) {  // a fixed tree: lane l + lane l + 8, then + 4, + 2, + 1
-    f32x8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+HEADROOM_VEC float sum16(f32x16 x) {  // a fixed tree: lane l + lane l + 8, then + 4, + 2, + 1
+    f32x8 half[2];  // not a shuffle of x: without AVX-512 GCC would build the halves lane by lane
+    std::memcpy(half, &x, sizeof x);
+    f32x8 a = half[0] + half[1];
     f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     f32x2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
     return c[0] + c[1];
 }
 
-inline void store16(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
-inline void store16(uint16_t* p, f32x16 x) {  // store() on each lane, as vector operations
+HEADROOM_VEC void store16(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
+HEADROOM_VEC void store16(uint16_t* p, f32x16 x) {  // store() on each lane, as vector operations
     u32x16 u;
     std::memcpy(&u, &x, sizeof u);
     const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
@@ -118,55 +122,77 @@ inline void store16(uint16_t* p, f32x16 x) {  // store() on each lane, as vector
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-inline f32x16 splat(float x) { return f32x16{} + x; }
+HEADROOM_VEC f32x16 splat(float x) { return f32x16{} + x; }
 
-// The largest of x[0..n), n >= 1: 16 lanes, then the rest (the maximum is exact in any order).
+// Comparisons and selects of 16-float vectors GCC writes out lane by lane, in scalar code, where no register
+// holds 16 floats (AVX2): there the loops that compare run on 8-float vectors, the ymm registers' width.
+#if defined(__AVX512F__)
+typedef f32x16 f32xN;
+typedef i32x16 i32xN;
+#else
+typedef f32x8 f32xN;
+typedef int32_t i32xN __attribute__((vector_size(32)));
+#endif
+constexpr int NATIVE_LANES = sizeof(f32xN) / sizeof(float);
+
+// The largest of x[0..n), n >= 1: whole vectors, then the rest (the maximum is exact in any order).
 inline float max_of(const float* x, int64_t n) {
     float top = x[0];
-    const int64_t whole = n - n % LANES;
+    const int64_t whole = n - n % NATIVE_LANES;
     if (whole) {
-        f32x16 high = load16(x);
-        for (int64_t j = LANES; j < whole; j += LANES) {
-            const f32x16 y = load16(x + j);
+        f32xN high;
+        std::memcpy(&high, x, sizeof high);
+        for (int64_t j = NATIVE_LANES; j < whole; j += NATIVE_LANES) {
+            f32xN y;
+            std::memcpy(&y, x + j, sizeof y);
             high = y > high ? y : high;
         }
-        for (int l = 0; l < LANES; ++l) top = std::max(top, high[l]);
+        for (int l = 0; l < NATIVE_LANES; ++l) top = std::max(top, high[l]);
     }
     for (int64_t j = whole; j < n; ++j) top = std::max(top, x[j]);
     return top;
 }
 
-// exp(x), Cephes' expf polynomial, 16 lanes at a time (libm's expf does not vectorize without
-// -ffast-math); the same bits on every call. Below -87 (where expf leaves the normal floats) it is 0, so a
-// masked -inf logit has no mass; above 88 it saturates.
-inline f32x16 exp_approx(f32x16 x) {
-    const f32x16 input = x;
-    x = x < splat(-87.0f) ? splat(-87.0f) : x;
-    x = x > splat(88.0f) ? splat(88.0f) : x;
-    const f32x16 z = x * 1.44269504088896341f + 0.5f;
-    f32x16 n = __builtin_convertvector(__builtin_convertvector(z, i32x16), f32x16);
+// exp(x), Cephes' expf polynomial, a vector at a time (libm's expf does not vectorize without -ffast-math);
+// the same bits on every call, and in every lane whatever the vector's width. Below -87 (where expf leaves
+// the normal floats) it is 0, so a masked -inf logit has no mass; above 88 it saturates.
+template <typename V, typename I>
+HEADROOM_VEC V exp_lanes(V x) {
+    const V input = x, low = V{} - 87.0f, high = V{} + 88.0f;
+    x = x < low ? low : x;
+    x = x > high ? high : x;
+    const V z = x * 1.44269504088896341f + 0.5f;
+    V n = __builtin_convertvector(__builtin_convertvector(z, I), V);
     n = n > z ? n - 1.0f : n;  // floor(z): the conversion truncates toward zero
-    const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x16 p = splat(1.9875691500e-4f);
+    const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    V p = V{} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    f32x16 scale;
+    const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+    V scale;
     std::memcpy(&scale, &bits, sizeof scale);
-    return input < splat(-87.0f) ? splat(0.0f) : p * scale;
+    return input < low ? V{} : p * scale;
+}
+
+HEADROOM_VEC f32x16 exp_approx(f32x16 x) {
+    f32xN part[sizeof(f32x16) / sizeof(f32xN)];
+    std::memcpy(part, &x, sizeof x);
+    for (f32xN& v : part) v = exp_lanes<f32xN, i32xN>(v);
+    std::memcpy(&x, part, sizeof x);
+    return x;
 }
 
 // exp_approx of one float, through lane 0: a tail element gets the same bits as a vector lane would.
-inline float exp_approx(float x) { return exp_approx(splat(x))[0]; }
+HEADROOM_VEC float exp_approx(float x) { return exp_approx(splat(x))[0]; }
 
 // tanh(x) = 1 - 2 / (1 + exp(2x)), on exp_approx: saturates to +-1 where exp_approx does; near 0 it is off by
 // about one float step of 1, not of x: an absolute error, which soft-capped scores (cap * tanh) can take.
-inline f32x16 tanh_approx(f32x16 x) { return 1.0f - 2.0f / (1.0f + exp_approx(x + x)); }
-inline float tanh_approx(float x) { return tanh_approx(splat(x))[0]; }
+HEADROOM_VEC f32x16 tanh_approx(f32x16 x) { return 1.0f - 2.0f / (1.0f + exp_approx(x + x)); }
+HEADROOM_VEC float tanh_approx(float x) { return tanh_approx(splat(x))[0]; }
 
 // Calls f with a value of the element type: uint16_t (bf16 bits) when `bf16`, else float. Each kernel's
 // extern "C" entry point casts its pointers once, inside f, instead of spelling out both types.
