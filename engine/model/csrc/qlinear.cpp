@@ -247,30 +247,41 @@ constexpr int ROWS = 2, COLS = 1;  // AVX2 has 16 vector registers: 4 fp32 + 4 i
 
 inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 
+// A 4-bit block's chunk `ch` (4 inputs of each of 32 pairs) as low and high nibbles, two halves each.
+inline void split_nibbles(const uint8_t* p, int ch, __m256i* lo, __m256i* hi) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + quants_offset(4) + ch * 64 + h * 32));
+        lo[h] = _mm256_and_si256(raw, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+}
+
 // As the AVX-512 tile, each 16-output block as two 8-output halves. 4-bit: vpmaddubsw's int16 pair sums
 // (at most 2 * 15 * 127) add up over a block's 8 products to at most 30,480, so they stay in int16 until one
 // vpmaddwd. 8-bit: the weights are signed, so |w| times x with w's sign (llama.cpp's trick, at most
-// 2 * 127 * 127 a pair) goes through vpmaddwd at every chunk.
-template <int BITS, int R, int C, typename T>
-void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* y, int64_t ldy) {
-    static_assert(C == 1, "one packed block (two halves) per tile");
+// 2 * 127 * 127 a pair) goes through vpmaddwd at every chunk. SPLIT (4-bit): the nibbles come from `split`
+// (split_column), not from the packed codes: the same integers, so the same bits.
+template <int BITS, int R, bool SPLIT, typename T>
+void tile_of(const QuantRows& x, int64_t r0, const uint8_t* w, const __m256i* split, T* y, int64_t ldy) {
     const int64_t rec = record_bytes(BITS);
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x.blocks; ++b) {
         const uint8_t* p = w + b * rec;
-        prefetch_ahead<BITS>(p);
+        if constexpr (!SPLIT) prefetch_ahead<BITS>(p);
         __m256i dot[R][2];
         if (BITS == 4) {
             __m256i pairs[R][2];
             for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
             for (int ch = 0; ch < 4; ++ch) {
                 __m256i lo[2], hi[2];
-                for (int h = 0; h < 2; ++h) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(p + quants_offset(4) + ch * 64 + h * 32));
-                    lo[h] = _mm256_and_si256(raw, low);
-                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                if constexpr (SPLIT) {
+                    const __m256i* v = split + (b * 4 + ch) * 4;
+                    lo[0] = v[0], lo[1] = v[1], hi[0] = v[2], hi[1] = v[3];
+                } else {
+                    split_nibbles(p, ch, lo, hi);
                 }
                 for (int r = 0; r < R; ++r) {
                     const int8_t* xq = x.row(r0 + r) + b * QK + 4 * ch;
@@ -313,6 +324,43 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* 
         store_row(y + r * ldy, out, OUT);
     }
 }
+
+template <int BITS, int R, int C, typename T>
+void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t, T* y, int64_t ldy) {
+    static_assert(C == 1, "one packed block (two halves) per tile");
+    tile_of<BITS, R, false>(x, r0, w, nullptr, y, ldy);
+}
+
+// From this many rows a 4-bit column's nibbles are split once, for all its tiles, instead of once a tile.
+constexpr int64_t SPLIT_ROWS = 8 * ROWS;
+
+// A 4-bit column's codes as split_nibbles gives them: per block and chunk, the low halves, then the high.
+inline void split_column(const uint8_t* w, int64_t blocks, std::vector<__m256i>& out) {
+    out.resize(size_t(blocks) * 16);
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int ch = 0; ch < 4; ++ch) {
+            __m256i* v = out.data() + (b * 4 + ch) * 4;
+            split_nibbles(w + b * record_bytes(4), ch, v, v + 2);
+        }
+}
+
+// A batch of at least SPLIT_ROWS rows through 4-bit weights: each column split once, then its row tiles.
+template <typename T>
+void linear_split(const QuantRows& x, int64_t m, const uint8_t* w, T* y, int64_t n, int threads) {
+    const int64_t wstride = x.blocks * record_bytes(4);
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<__m256i> split;
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < n / OUT; ++c) {
+            const uint8_t* wc = w + c * wstride;
+            split_column(wc, x.blocks, split);
+            int64_t r = 0;
+            for (; r + ROWS <= m; r += ROWS) tile_of<4, ROWS, true>(x, r, wc, split.data(), y + r * n + c * OUT, n);
+            for (; r < m; ++r) tile_of<4, 1, true>(x, r, wc, split.data(), y + r * n + c * OUT, n);
+        }
+    }
+}
 #else
 constexpr int ROWS = 1, COLS = 1;
 template <int BITS, int R, int C, typename T>
@@ -342,6 +390,10 @@ void column(const QuantRows& x, int64_t m, const uint8_t* w, int64_t wstride, T*
 
 template <int BITS, typename T>
 void linear(const QuantRows& x, int64_t m, const uint8_t* w, T* y, int64_t n, int threads) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__)
+    if constexpr (BITS == 4)
+        if (m >= SPLIT_ROWS) return linear_split(x, m, w, y, n, threads);
+#endif
     const int64_t wstride = x.blocks * record_bytes(BITS), blocks = n / OUT, columns = (blocks + COLS - 1) / COLS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < columns; ++c) {
