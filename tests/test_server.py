@@ -172,7 +172,7 @@ def wait_idle(url: str, timeout: float = 60) -> dict:
 
 def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(server) -> None:  # noqa: ANN001
     aborted = metric(server.url, "vllm:request_success_total", finished_reason="abort")
-    # 4000 tokens take seconds however fast a step is (500 once came back inside the 2 s)
+    # enough tokens that the answer outlasts the 2 s read timeout however fast a step is
     body = {"prompt": "Count slowly: one, two,", "max_tokens": 4000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up after 2 s and closes the connection
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))

@@ -262,14 +262,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
         """logits: float32 [S, V]; positions[i]: where row i's sampled token will sit in its sequence."""
-        # random rows grouped by path on the host (stable: row order within a path), so each path takes a
-        # contiguous slice and nothing waits on the device to learn a group's size
         rand = [i for i, p in enumerate(params) if not p.greedy and p.top_k != 1]
-        rand.sort(key=lambda i: _path(params[i]))
         if not rand:
             return argmax_rows(logits)
         if all(_path(params[i]) == PLAIN and not params[i].min_p for i in rand):
             return self._sample_whole_rows(logits, params, positions, rand)
+        # random rows grouped by path on the host (stable: row order within a path), so each path takes a
+        # contiguous slice and nothing waits on the device to learn a group's size
+        rand.sort(key=lambda i: _path(params[i]))
         # the argmax, the row gather and the temperature each pass over [rows, vocab]: only where needed
         greedy = sorted(set(range(len(params))) - set(rand))
         out = torch.zeros(len(params), dtype=torch.long, device=logits.device)
