@@ -103,6 +103,7 @@ inline void weighted_sum(f32x16* acc, const float* p, const f32x16* v, int from,
     for (int c = 0; c < chunks; ++c) acc[c] = a[c];
 }
 
+constexpr int ITEMS_PER_THREAD = 4;  // tiles a thread gets at least before an item takes all of a tile's heads
 constexpr int TILE_TOKENS = 16;  // a prefill's consecutive tokens attended together: each K and V block is
                                  // converted once for all of them
 
@@ -222,7 +223,11 @@ void attend(const T* q, int64_t q_row, const C* k_cache, const C* v_cache, const
             tiles.push_back({t, 1});
     }
     const int group = heads / kv_heads;
-    const int64_t items = int64_t(tiles.size()) * kv_heads;
+    // A work item takes all of a tile's KV heads where there are tiles enough to keep every thread busy: a key's
+    // heads are adjacent in the cache, so one item then reads each block whole and in address order, which the
+    // hardware prefetchers follow. Few tiles (a lone decode) are split per head to share them out.
+    const int heads_per_item = int64_t(tiles.size()) >= ITEMS_PER_THREAD * threads ? kv_heads : 1;
+    const int64_t per_tile = kv_heads / heads_per_item, items = int64_t(tiles.size()) * per_tile;
     const auto tile_kernel = spec.window ? attend_tile<T, C, CHUNKS, true> : attend_tile<T, C, CHUNKS, false>;
 #pragma omp parallel num_threads(threads)
     {
@@ -230,11 +235,13 @@ void attend(const T* q, int64_t q_row, const C* k_cache, const C* v_cache, const
         std::vector<float> scores, total;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
-            const Tile& tile = tiles[item / kv_heads];
-            tile_kernel(q + tile.first * q_row, q_row, k_cache, v_cache,
-                        tables + int64_t(token_seq[tile.first]) * table_row, token_ctx + tile.first, tile.tokens,
-                        int(item % kv_heads), group, kv_heads, head_dim, block_size, spec,
-                        out + tile.first * heads * head_dim, int64_t(heads) * head_dim, qv, acc, block, scores, total);
+            const Tile& tile = tiles[item / per_tile];
+            const int first_head = int(item % per_tile) * heads_per_item;
+            for (int g = first_head; g < first_head + heads_per_item; ++g)
+                tile_kernel(q + tile.first * q_row, q_row, k_cache, v_cache,
+                            tables + int64_t(token_seq[tile.first]) * table_row, token_ctx + tile.first, tile.tokens,
+                            g, group, kv_heads, head_dim, block_size, spec, out + tile.first * heads * head_dim,
+                            int64_t(heads) * head_dim, qv, acc, block, scores, total);
         }
     }
 }

@@ -22,7 +22,7 @@
 
 #include "vec.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -77,26 +77,86 @@ struct QuantRows {
     int64_t at(int64_t r, int64_t b) const { return r * blocks + b; }
 };
 
+// One 32-block of a row to int8: q = round(x / d) with d = max|x| / 127 (to nearest even, as nearbyint in the
+// default rounding mode); d, d * sum(q) and sum(q) into the block's slots. The plain reference.
 template <typename T>
-void quantize_row(const T* x, int64_t blocks, int8_t* q, float* d, float* ds, int32_t* sum) {
-    for (int64_t b = 0; b < blocks; ++b) {
-        float amax = 0.0f;
-        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(headroom::to_f32(x[b * QK + j])));
-        const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int32_t s = 0;
-        for (int j = 0; j < QK; ++j) {
-            const int v = int(std::nearbyint(headroom::to_f32(x[b * QK + j]) * inv));
-            q[b * QK + j] = int8_t(v);
-            s += v;
-        }
-        d[b] = scale;
-        sum[b] = s;
-        ds[b] = scale * float(s);
+void quantize_block_plain(const T* x, int8_t* q, float& d, float& ds, int32_t& sum) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(headroom::to_f32(x[j])));
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < QK; ++j) {
+        const int v = int(std::nearbyint(headroom::to_f32(x[j]) * inv));
+        q[j] = int8_t(v);
+        s += v;
     }
+    d = scale;
+    sum = s;
+    ds = scale * float(s);
+}
+
+// The same block on the vector units: the maximum and the integer sum do not depend on the order, and each
+// code is the same product rounded the same way (cvtps rounds as nearbyint does), so the same bits.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <typename T>
+void quantize_block(const T* x, int8_t* q, float& d, float& ds, int32_t& sum) {
+    const __m512 a = (__m512)headroom::load16(x), b = (__m512)headroom::load16(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    d = scale;
+    sum = s;
+    ds = scale * float(s);
+}
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16 -> fp32, exact
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, QuantRows& out, int threads) {
+void quantize_block(const T* x, int8_t* q, float& d, float& ds, int32_t& sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = load8(x + 8 * i);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
+    // packs interleave 4-code groups across the two 128-bit lanes; the permute puts them back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    const int32_t s = _mm_cvtsi128_si32(s4);
+    d = scale;
+    sum = s;
+    ds = scale * float(s);
+}
+#else
+template <typename T>
+void quantize_block(const T* x, int8_t* q, float& d, float& ds, int32_t& sum) {
+    quantize_block_plain(x, q, d, ds, sum);
+}
+#endif
+
+// `plain`: the scalar reference for every block (the tests compare the vector paths with it).
+template <typename T>
+void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, QuantRows& out, bool plain, int threads) {
     out.k = k;
     out.blocks = k / QK;
     out.q.resize(m * k);
@@ -104,10 +164,16 @@ void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, QuantRows& out
     out.ds.resize(m * out.blocks);
     out.sum.resize(m * out.blocks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (m > 4)
-    for (int64_t r = 0; r < m; ++r) {
-        const int64_t i = out.at(r, 0);
-        quantize_row(x + r * ldx, out.blocks, out.q.data() + r * k, &out.d[i], &out.ds[i], &out.sum[i]);
-    }
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t b = 0; b < out.blocks; ++b) {
+            const int64_t i = out.at(r, b);
+            const T* xb = x + r * ldx + b * QK;
+            int8_t* qb = out.q.data() + r * k + b * QK;
+            if (plain)
+                quantize_block_plain(xb, qb, out.d[i], out.ds[i], out.sum[i]);
+            else
+                quantize_block(xb, qb, out.d[i], out.ds[i], out.sum[i]);
+        }
 }
 
 // One (row, output) sum's float steps, shared by every path: the integer dot of a block enters once.
@@ -236,11 +302,7 @@ void tile(const QuantRows& x, int64_t r0, const uint8_t* w, int64_t wstride, T* 
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) {
-            float out[OUT];
-            _mm512_storeu_ps(out, acc[r][c]);
-            store_row(y + r * ldy + c * OUT, out, OUT);
-        }
+        for (int c = 0; c < C; ++c) headroom::store16(y + r * ldy + c * OUT, headroom::f32x16(acc[r][c]));
 }
 #elif defined(__AVX2__)
 constexpr int ROWS = 2, COLS = 1;  // AVX2 has 16 vector registers: 4 fp32 + 4 int sums + 4 weights
@@ -451,7 +513,7 @@ void headroom_qlinear(int x_bf16, const void* x, int64_t ldx, const uint8_t* w, 
                       int64_t m, int64_t n, int64_t k, int plain, int threads) {
     QuantRows rows;
     headroom::with_element_type(x_bf16, [&](auto xt) {
-        quantize_rows(static_cast<const decltype(xt)*>(x), ldx, m, k, rows, threads);
+        quantize_rows(static_cast<const decltype(xt)*>(x), ldx, m, k, rows, plain, threads);
     });
     headroom::with_element_type(y_bf16, [&](auto yt) {
         using T = decltype(yt);
